@@ -1,0 +1,3 @@
+from .rpcs import RPCS, SERVICE
+
+__all__ = ["RPCS", "SERVICE"]

@@ -1,0 +1,345 @@
+"""`make local`: a real Triton and a real Ray Serve on this machine, run with the same Serve
+config as the RayService, until Ctrl-C or SIGTERM.
+
+Environment: MODEL_REPOSITORY, GRPC_PORT (8001), TRITON_GRPC_PORT (8101), TRITON_HTTP_PORT
+(8100), TRITON_METRICS_PORT (8102), SERVE_HTTP_PORT (8000), RAY_GCS_PORT (6379),
+RAY_DASHBOARD_PORT (8265), TRITON_RESOURCES (1, the `triton` resources the node advertises),
+SERVE_CONFIG (serve/serve-config.yaml), TRITON_ARGS (extra tritonserver flags).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import grpc
+import yaml
+
+from . import triton_binary
+from .rpcs import SERVICE
+
+SERVE_DIR = Path(__file__).resolve().parent.parent
+DEFAULT_CONFIG = SERVE_DIR / "serve-config.yaml"
+DEFAULT_MODELS = SERVE_DIR / "models"
+READY_TIMEOUT_S = 600.0
+
+
+def say(message: str) -> None:
+    print(f"[local] {message}", flush=True)
+
+
+def _int_env(name: str, default: int) -> int:
+    raw = os.environ.get(name, "")
+    if not raw:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise SystemExit(f"{name}={raw!r} is not a whole number") from None
+
+
+@dataclass(frozen=True)
+class Settings:
+    model_repository: Path
+    grpc_port: int
+    triton: triton_binary.TritonPorts
+    serve_http_port: int
+    gcs_port: int
+    dashboard_port: int
+    triton_resources: int
+    serve_config: Path
+    triton_args: tuple[str, ...]
+
+    @classmethod
+    def from_env(cls) -> "Settings":
+        repo = Path(os.environ.get("MODEL_REPOSITORY") or DEFAULT_MODELS).resolve()
+        if not repo.is_dir():
+            raise SystemExit(f"MODEL_REPOSITORY={repo} is not a directory")
+        config = Path(os.environ.get("SERVE_CONFIG") or DEFAULT_CONFIG).resolve()
+        if not config.is_file():
+            raise SystemExit(f"SERVE_CONFIG={config} is not a file")
+        settings = cls(
+            model_repository=repo,
+            grpc_port=_int_env("GRPC_PORT", 8001),
+            triton=triton_binary.TritonPorts(
+                http=_int_env("TRITON_HTTP_PORT", 8100),
+                grpc=_int_env("TRITON_GRPC_PORT", 8101),
+                metrics=_int_env("TRITON_METRICS_PORT", 8102),
+            ),
+            serve_http_port=_int_env("SERVE_HTTP_PORT", 8000),
+            gcs_port=_int_env("RAY_GCS_PORT", 6379),
+            dashboard_port=_int_env("RAY_DASHBOARD_PORT", 8265),
+            triton_resources=_int_env("TRITON_RESOURCES", 1),
+            serve_config=config,
+            triton_args=tuple(shlex.split(os.environ.get("TRITON_ARGS", ""))),
+        )
+        ports = {
+            "GRPC_PORT": settings.grpc_port,
+            "TRITON_HTTP_PORT": settings.triton.http,
+            "TRITON_GRPC_PORT": settings.triton.grpc,
+            "TRITON_METRICS_PORT": settings.triton.metrics,
+            "SERVE_HTTP_PORT": settings.serve_http_port,
+            "RAY_GCS_PORT": settings.gcs_port,
+            "RAY_DASHBOARD_PORT": settings.dashboard_port,
+        }
+        seen: dict[int, str] = {}
+        for name, port in ports.items():
+            if port in seen:
+                raise SystemExit(f"{name} and {seen[port]} are both {port}: ports must differ")
+            seen[port] = name
+        return settings
+
+
+def local_serve_config(settings: Settings) -> dict[str, Any]:
+    """The Serve config file with this machine's ports and Triton address."""
+    config = yaml.safe_load(settings.serve_config.read_text())
+    config["http_options"] = {
+        **config.get("http_options", {}), "host": "127.0.0.1", "port": settings.serve_http_port
+    }
+    config["grpc_options"] = {**config.get("grpc_options", {}), "port": settings.grpc_port}
+    for app in config["applications"]:
+        app.setdefault("args", {})["triton_address"] = f"localhost:{settings.triton.grpc}"
+    return config
+
+
+class TritonSupervisor:
+    """Runs Triton and restarts it with backoff when it exits, as the kubelet would."""
+
+    def __init__(self, settings: Settings, workdir: Path) -> None:
+        self._settings = settings
+        self._backends = triton_binary.prepare_backends(workdir / "backends")
+        self.log_path = workdir / "triton.log"
+        self._stopping = threading.Event()
+        self._process: Optional[subprocess.Popen[bytes]] = None
+        self._thread = threading.Thread(target=self._run, name="triton-supervisor", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _spawn(self) -> subprocess.Popen[bytes]:
+        cmd = triton_binary.command(
+            self._settings.model_repository, self._backends, self._settings.triton,
+            self._settings.triton_args,
+        )
+        with open(self.log_path, "ab") as log:
+            process = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=triton_binary.environment(),
+                start_new_session=True,
+            )
+        say(f"triton started (pid {process.pid}), log: {self.log_path}")
+        return process
+
+    def _run(self) -> None:
+        backoff = 1.0
+        while not self._stopping.is_set():
+            started = time.monotonic()
+            self._process = self._spawn()
+            code = self._process.wait()
+            if self._stopping.is_set():
+                return
+            if time.monotonic() - started > 60:
+                backoff = 1.0
+            say(f"triton exited with status {code}; restarting in {backoff:.0f}s "
+                f"(last lines in {self.log_path})")
+            if self._stopping.wait(backoff):
+                return
+            backoff = min(backoff * 2, 30.0)
+
+    def stop(self) -> None:
+        self._stopping.set()
+        process = self._process
+        if process is not None and process.poll() is None:
+            _terminate_group(process, grace_s=15)
+        self._thread.join(timeout=20)
+
+
+def _terminate_group(process: subprocess.Popen[bytes], grace_s: float) -> None:
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait()
+
+
+def start_ray(settings: Settings, workdir: Path) -> subprocess.Popen[bytes]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        part for part in (str(SERVE_DIR), env.get("PYTHONPATH", "")) if part
+    )
+    env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    env.setdefault("RAY_SERVE_GRPC_MAX_MESSAGE_SIZE", str(2**31 - 1))
+    ray = Path(sys.executable).with_name("ray")
+    cmd = [
+        str(ray), "start", "--head", "--block", "--disable-usage-stats",
+        f"--port={settings.gcs_port}",
+        "--dashboard-host=127.0.0.1", f"--dashboard-port={settings.dashboard_port}",
+        "--num-cpus=2",
+        f"--resources={json.dumps({'triton': settings.triton_resources})}",
+        f"--temp-dir={workdir / 'ray'}",
+        "--object-store-memory=4000000000",
+    ]
+    log = open(workdir / "ray.log", "ab")
+    say(f"starting Ray (GCS {settings.gcs_port}, dashboard {settings.dashboard_port}), "
+        f"log: {workdir / 'ray.log'}")
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)
+
+
+def _http(method: str, url: str, body: Optional[dict[str, Any]] = None) -> Any:
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        text = response.read().decode()
+    return json.loads(text) if text.strip() else None
+
+
+def _wait(what: str, check: Any, timeout_s: float, alive: Any) -> None:
+    deadline = time.monotonic() + timeout_s
+    next_note = time.monotonic() + 10
+    while True:
+        alive()
+        detail = check()
+        if detail is True:
+            return
+        if time.monotonic() > deadline:
+            raise SystemExit(f"timed out after {timeout_s:.0f}s waiting for {what} ({detail})")
+        if time.monotonic() > next_note:
+            say(f"still waiting for {what}: {detail}")
+            next_note = time.monotonic() + 10
+        time.sleep(0.5)
+
+
+def _server_ready(port: int) -> Any:
+    with grpc.insecure_channel(f"localhost:{port}") as channel:
+        ready = channel.unary_unary(f"/{SERVICE}/ServerReady")
+        try:
+            return True if ready(b"", timeout=2) == b"\x08\x01" else "ServerReady: not ready"
+        except grpc.RpcError as error:
+            return f"{error.code().name}: {error.details()}"
+
+
+class LocalStack:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.workdir = Path(tempfile.mkdtemp(prefix="sonic-ray-"))
+        self.triton = TritonSupervisor(settings, self.workdir)
+        self.ray: Optional[subprocess.Popen[bytes]] = None
+
+    def _ray_alive(self) -> None:
+        if self.ray is not None and self.ray.poll() is not None:
+            raise SystemExit(f"Ray exited with status {self.ray.returncode}; "
+                             f"see {self.workdir / 'ray.log'}")
+
+    def start(self) -> None:
+        s = self.settings
+        say(f"model repository: {s.model_repository}")
+        self.triton.start()
+        self.ray = start_ray(s, self.workdir)
+        dashboard = f"http://127.0.0.1:{s.dashboard_port}"
+
+        def dashboard_up() -> Any:
+            try:
+                _http("GET", f"{dashboard}/api/version")
+                return True
+            except (urllib.error.URLError, OSError) as error:
+                return str(error)
+
+        _wait("Ray to start", dashboard_up, 180, self._ray_alive)
+        say("Ray is up; deploying the Serve config")
+        _http("PUT", f"{dashboard}/api/serve/applications/", local_serve_config(s))
+
+        def triton_ready() -> Any:
+            return _server_ready(s.triton.grpc)
+
+        _wait("Triton to load its models", triton_ready, READY_TIMEOUT_S, self._ray_alive)
+        say("Triton is ready; waiting for Serve's replica")
+
+        def serve_ready() -> Any:
+            answer = _server_ready(s.grpc_port)
+            if answer is True:
+                return True
+            try:
+                apps = _http("GET", f"{dashboard}/api/serve/applications/")
+                states = {name: app.get("status") for name, app in apps["applications"].items()}
+                for app in apps["applications"].values():
+                    if app.get("status") == "DEPLOY_FAILED":
+                        raise SystemExit(f"Serve could not deploy: {app.get('message')}")
+                return f"{answer}; applications: {states}"
+            except (urllib.error.URLError, OSError, KeyError) as error:
+                return f"{answer}; {error}"
+
+        _wait("ServerReady through Serve", serve_ready, READY_TIMEOUT_S, self._ray_alive)
+        print(
+            "endpoints:\n"
+            f"  Triton protocol through Ray Serve (gRPC): localhost:{s.grpc_port}\n"
+            f"  Triton direct: gRPC localhost:{s.triton.grpc}, "
+            f"HTTP localhost:{s.triton.http}, metrics http://localhost:{s.triton.metrics}/metrics\n"
+            f"  Serve HTTP: localhost:{s.serve_http_port}; "
+            f"Ray dashboard: http://127.0.0.1:{s.dashboard_port}",
+            flush=True,
+        )
+        say(f"ready: Triton answers ServerReady through Serve at localhost:{s.grpc_port}")
+
+    def run_until_stopped(self, stop: threading.Event) -> None:
+        while not stop.wait(1.0):
+            self._ray_alive()
+
+    def stop(self) -> None:
+        say("stopping")
+        if self.ray is not None and self.ray.poll() is None:
+            _terminate_group(self.ray, grace_s=20)
+        self.triton.stop()
+        say("stopped")
+
+
+def main() -> int:
+    settings = Settings.from_env()
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        stop.set()
+        # A second Ctrl-C while starting up must not be swallowed by a wait loop.
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    stack = LocalStack(settings)
+    try:
+        stack.start()
+        stack.run_until_stopped(stop)
+        return 0
+    except KeyboardInterrupt:
+        return 0
+    except SystemExit as exit_:
+        if exit_.code not in (None, 0):
+            say(f"error: {exit_.code}")
+        return 1
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        stack.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""The RPC table of Triton's `inference.GRPCInferenceService`, kept here rather than read from
+tritonclient: the Ray containers run the official Ray image, which has no tritonclient.
+tests/test_rpc_table.py checks it against tritonclient's own service descriptor."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SERVICE = "inference.GRPCInferenceService"
+
+
+@dataclass(frozen=True)
+class Rpc:
+    name: str
+    streaming: bool = False
+    # Why the RPC is wrong behind a load balancer; empty when it is safe to forward.
+    refusal: str = ""
+
+    @property
+    def path(self) -> str:
+        return f"/{SERVICE}/{self.name}"
+
+
+_ONE_REPLICA = (
+    "it would change the model repository of only the one Triton replica that this call "
+    "happens to reach, so replicas would serve different models"
+)
+_SHARED_MEMORY = (
+    "shared memory is memory on the client's host, which a Triton in a remote pod cannot see"
+)
+_ONE_POD = "it would change the settings of only the one Triton replica that this call reaches"
+
+RPCS: tuple[Rpc, ...] = (
+    Rpc("ServerLive"),
+    Rpc("ServerReady"),
+    Rpc("ModelReady"),
+    Rpc("ServerMetadata"),
+    Rpc("ModelMetadata"),
+    Rpc("ModelInfer"),
+    Rpc("ModelStreamInfer", streaming=True),
+    Rpc("ModelConfig"),
+    Rpc("ModelStatistics"),
+    Rpc("RepositoryIndex"),
+    Rpc("RepositoryModelLoad", refusal=_ONE_REPLICA),
+    Rpc("RepositoryModelUnload", refusal=_ONE_REPLICA),
+    Rpc("SystemSharedMemoryStatus"),
+    Rpc("SystemSharedMemoryRegister", refusal=_SHARED_MEMORY),
+    Rpc("SystemSharedMemoryUnregister", refusal=_SHARED_MEMORY),
+    Rpc("CudaSharedMemoryStatus"),
+    Rpc("CudaSharedMemoryRegister", refusal=_SHARED_MEMORY),
+    Rpc("CudaSharedMemoryUnregister", refusal=_SHARED_MEMORY),
+    Rpc("TraceSetting", refusal=_ONE_POD),
+    Rpc("LogSettings", refusal=_ONE_POD),
+)
+
+BY_NAME: dict[str, Rpc] = {rpc.name: rpc for rpc in RPCS}
+REFUSABLE: frozenset[str] = frozenset(rpc.name for rpc in RPCS if rpc.refusal)
+
+
+def refusal_message(rpc: Rpc) -> str:
+    return (
+        f"{rpc.name} is refused by this endpoint: {rpc.refusal}. An operator who wants it "
+        f'anyway adds "{rpc.name}" to allowed_admin_rpcs in the forwarder application\'s '
+        "args in the Serve config."
+    )
