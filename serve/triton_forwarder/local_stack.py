@@ -205,11 +205,12 @@ def start_ray(settings: Settings, workdir: Path) -> subprocess.Popen[bytes]:
                             start_new_session=True)
 
 
-def _http(method: str, url: str, body: Optional[dict[str, Any]] = None) -> Any:
+def _http(method: str, url: str, body: Optional[dict[str, Any]] = None,
+          timeout_s: float = 10) -> Any:
     data = json.dumps(body).encode() if body is not None else None
     request = urllib.request.Request(url, data=data, method=method,
                                      headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=10) as response:
+    with urllib.request.urlopen(request, timeout=timeout_s) as response:
         text = response.read().decode()
     return json.loads(text) if text.strip() else None
 
@@ -234,7 +235,8 @@ def _server_ready(port: int) -> Any:
     with grpc.insecure_channel(f"localhost:{port}") as channel:
         ready = channel.unary_unary(f"/{SERVICE}/ServerReady")
         try:
-            return True if ready(b"", timeout=2) == b"\x08\x01" else "ServerReady: not ready"
+            # No progress line may contain the word the final line is known by.
+            return True if ready(b"", timeout=2) == b"\x08\x01" else "models still loading"
         except grpc.RpcError as error:
             return f"{error.code().name}: {error.details()}"
 
@@ -267,13 +269,20 @@ class LocalStack:
 
         _wait("Ray to start", dashboard_up, 180, self._ray_alive)
         say("Ray is up; deploying the Serve config")
-        _http("PUT", f"{dashboard}/api/serve/applications/", local_serve_config(s))
+        try:
+            # The first deploy imports Serve in the dashboard: slow on a busy 2-core machine.
+            _http("PUT", f"{dashboard}/api/serve/applications/", local_serve_config(s),
+                  timeout_s=120)
+        except urllib.error.HTTPError as error:
+            raise SystemExit(f"Ray refused the Serve config: {error.read().decode()}") from None
+        except (urllib.error.URLError, OSError) as error:
+            raise SystemExit(f"could not deploy the Serve config: {error}") from None
 
         def triton_ready() -> Any:
             return _server_ready(s.triton.grpc)
 
         _wait("Triton to load its models", triton_ready, READY_TIMEOUT_S, self._ray_alive)
-        say("Triton is ready; waiting for Serve's replica")
+        say("Triton has loaded its models; waiting for Serve's replica to answer")
 
         def serve_ready() -> Any:
             answer = _server_ready(s.grpc_port)
@@ -289,7 +298,7 @@ class LocalStack:
             except (urllib.error.URLError, OSError, KeyError) as error:
                 return f"{answer}; {error}"
 
-        _wait("ServerReady through Serve", serve_ready, READY_TIMEOUT_S, self._ray_alive)
+        _wait("the Triton protocol through Serve", serve_ready, READY_TIMEOUT_S, self._ray_alive)
         print(
             "endpoints:\n"
             f"  Triton protocol through Ray Serve (gRPC): localhost:{s.grpc_port}\n"
@@ -313,7 +322,20 @@ class LocalStack:
         say("stopped")
 
 
+def _die_with_parent() -> None:
+    """`make local` killed by SIGTERM does not pass the signal on; have the kernel send it."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+
 def main() -> int:
+    _die_with_parent()
     settings = Settings.from_env()
     stop = threading.Event()
 

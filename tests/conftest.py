@@ -1,0 +1,63 @@
+"""One real stack (Triton from the nvidia-pytriton wheel, Ray Serve, the forwarder) per test
+session, on ports of its own so that a running `make local` is left alone."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.local_stack_process import (
+    EXAMPLE_MODELS,
+    TEST_MODELS,
+    StackProcess,
+    free_ports,
+    merged_model_repository,
+)
+
+
+@dataclass
+class Stack:
+    process: StackProcess
+    serve_url: str
+    triton_url: str
+    model_repository: Path
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "disruptive: kills part of the shared stack; runs after the other tests"
+    )
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: item.get_closest_marker("disruptive") is not None)
+
+
+@pytest.fixture(scope="session")
+def stack() -> Iterator[Stack]:
+    repo = merged_model_repository([EXAMPLE_MODELS, TEST_MODELS])
+    grpc, t_http, t_grpc, t_metrics, s_http, gcs, dash = free_ports(7)
+    process = StackProcess(
+        {
+            "MODEL_REPOSITORY": str(repo),
+            "GRPC_PORT": str(grpc),
+            "TRITON_HTTP_PORT": str(t_http),
+            "TRITON_GRPC_PORT": str(t_grpc),
+            "TRITON_METRICS_PORT": str(t_metrics),
+            "SERVE_HTTP_PORT": str(s_http),
+            "RAY_GCS_PORT": str(gcs),
+            "RAY_DASHBOARD_PORT": str(dash),
+            "TRITON_ARGS": "--grpc-header-forward-pattern=x-sonic-.*",
+        }
+    )
+    try:
+        process.wait_for_line(r"\bready\b", timeout_s=420)
+        yield Stack(process, f"localhost:{grpc}", f"localhost:{t_grpc}", repo)
+    finally:
+        code = process.stop()
+        shutil.rmtree(repo, ignore_errors=True)
+        assert code == 0, f"the local stack exited with {code} on SIGTERM"

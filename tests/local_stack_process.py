@@ -1,0 +1,110 @@
+"""Runs `make local`'s stack (serve/triton_forwarder/local_stack.py) as a child process on
+ports of its own, and follows what it prints."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE_MODELS = ROOT / "serve" / "models"
+TEST_MODELS = ROOT / "tests" / "models"
+
+
+def free_ports(count: int) -> list[int]:
+    sockets = []
+    try:
+        for _ in range(count):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            sockets.append(s)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def merged_model_repository(sources: Iterable[Path]) -> Path:
+    """A fresh copy of the example and test models: the slow model writes markers into it."""
+    repo = Path(tempfile.mkdtemp(prefix="sonic-ray-models-"))
+    for source in sources:
+        for model in source.iterdir():
+            if model.is_dir():
+                shutil.copytree(model, repo / model.name)
+    return repo
+
+
+class StackProcess:
+    def __init__(self, env: dict[str, str]) -> None:
+        self.env = env
+        self.lines: list[str] = []
+        self.finished = False
+        self._changed = threading.Condition()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "triton_forwarder.local_stack"],
+            cwd=ROOT / "serve",
+            env={**os.environ, **env, "PYTHONUNBUFFERED": "1"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        threading.Thread(target=self._follow, daemon=True).start()
+
+    def _follow(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            sys.stderr.write(f"[stack] {line}")
+            with self._changed:
+                self.lines.append(line.rstrip("\n"))
+                self._changed.notify_all()
+        with self._changed:
+            self.finished = True
+            self._changed.notify_all()
+
+    def wait_for_line(self, pattern: str, timeout_s: float, after: int = 0) -> re.Match[str]:
+        """The first line from index `after` on that matches; fails if the stack exits."""
+        regex = re.compile(pattern)
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            while True:
+                for line in self.lines[after:]:
+                    match = regex.search(line)
+                    if match:
+                        return match
+                if self.finished:
+                    raise RuntimeError(
+                        f"the local stack exited ({self.process.returncode}) before printing "
+                        f"{pattern!r}:\n" + "\n".join(self.lines[-40:])
+                    )
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(
+                        f"no line matching {pattern!r} within {timeout_s}s:\n"
+                        + "\n".join(self.lines[-40:])
+                    )
+                self._changed.wait(min(remaining, 1.0))
+
+    def triton_pid(self) -> int:
+        pids = [int(m.group(1)) for line in self.lines
+                if (m := re.search(r"triton started \(pid (\d+)\)", line))]
+        return pids[-1]
+
+    def stop(self, timeout_s: float = 90) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            return self.process.wait()
