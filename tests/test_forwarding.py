@@ -10,6 +10,7 @@ from typing import Any
 
 import grpc
 import numpy as np
+import numpy.typing as npt
 import pytest
 import tritonclient.grpc as tc
 import tritonclient.grpc.aio as tc_aio
@@ -22,7 +23,7 @@ from tests.conftest import Stack
 GIB = 1 << 30
 
 
-def simple_inputs(a: np.ndarray, b: np.ndarray) -> list[tc.InferInput]:
+def simple_inputs(a: npt.NDArray[Any], b: npt.NDArray[Any]) -> list[tc.InferInput]:
     inputs = [tc.InferInput("INPUT0", list(a.shape), "INT32"),
               tc.InferInput("INPUT1", list(b.shape), "INT32")]
     inputs[0].set_data_from_numpy(a)
@@ -142,7 +143,7 @@ BAD_CALLS: dict[str, Callable[[tc.InferenceServerClient], Any]] = {
 }
 
 
-def _input(name: str, data: np.ndarray, datatype: str) -> tc.InferInput:
+def _input(name: str, data: npt.NDArray[Any], datatype: str) -> tc.InferInput:
     tensor = tc.InferInput(name, list(data.shape), datatype)
     tensor.set_data_from_numpy(data)
     return tensor

@@ -6,12 +6,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, AsyncIterator, Optional
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
 
 import grpc
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ray import serve
-from ray.serve.grpc_util import RayServegRPCContext
 
 from .rpcs import BY_NAME, REFUSABLE, RPCS, Rpc, refusal_message
 from .servicer import TIMEOUT_KEY
@@ -59,6 +59,15 @@ class ForwarderArgs(BaseModel):
         return names
 
 
+class CallContext(Protocol):
+    """What the forwarder uses of Serve's CallContext."""
+
+    def invocation_metadata(self) -> Any: ...
+    def set_code(self, code: Any) -> None: ...
+    def set_details(self, details: str) -> None: ...
+    def set_trailing_metadata(self, trailing_metadata: Any) -> None: ...
+
+
 class RawMessage:
     """A message's bytes, with the one method Serve's replica calls on a gRPC result."""
 
@@ -71,9 +80,9 @@ class RawMessage:
         return self.data
 
 
-def _forwarded_metadata(context: RayServegRPCContext) -> tuple[list[tuple[str, Any]], Optional[float]]:
+def _forwarded_metadata(context: CallContext) -> tuple[list[tuple[str, Any]], float | None]:
     metadata: list[tuple[str, Any]] = []
-    timeout: Optional[float] = None
+    timeout: float | None = None
     for key, value in context.invocation_metadata():
         if key == TIMEOUT_KEY:
             timeout = float(value)
@@ -82,7 +91,7 @@ def _forwarded_metadata(context: RayServegRPCContext) -> tuple[list[tuple[str, A
     return metadata, timeout
 
 
-async def _copy_status(call: Any, context: RayServegRPCContext) -> None:
+async def _copy_status(call: Any, context: CallContext) -> None:
     """Gives the client Triton's status, details and trailing metadata as Triton sent them."""
     code = await call.code()
     trailing = await call.trailing_metadata()
@@ -94,7 +103,9 @@ async def _copy_status(call: Any, context: RayServegRPCContext) -> None:
 
 
 class TritonForwarder:
-    async def __init__(self, args: ForwarderArgs) -> None:
+    # Serve awaits an async constructor, so a replica counts as started only once its Triton
+    # is ready.
+    async def __init__(self, args: ForwarderArgs) -> None:  # type: ignore[misc]
         self._args = args
         options = [
             ("grpc.max_send_message_length", args.max_message_bytes),
@@ -153,7 +164,7 @@ class TritonForwarder:
         if reply != b"\x08\x01":
             raise RuntimeError(f"Triton at {self._args.triton_address} reports live=false")
 
-    def _refused(self, rpc: Rpc, context: RayServegRPCContext) -> bool:
+    def _refused(self, rpc: Rpc, context: CallContext) -> bool:
         # The status goes on the context rather than in an exception: Serve logs a stack
         # trace for every exception, and a refusal is an answer, not a fault.
         if rpc.refusal and rpc.name not in self._allowed:
@@ -163,7 +174,7 @@ class TritonForwarder:
         return False
 
     async def forward_unary(
-        self, rpc: Rpc, request: bytes, context: RayServegRPCContext
+        self, rpc: Rpc, request: bytes, context: CallContext
     ) -> RawMessage:
         if self._refused(rpc, context):
             return RawMessage(b"")
@@ -177,7 +188,7 @@ class TritonForwarder:
         return RawMessage(reply)
 
     async def forward_stream(
-        self, rpc: Rpc, requests: AsyncIterator[bytes], context: RayServegRPCContext
+        self, rpc: Rpc, requests: AsyncIterator[bytes], context: CallContext
     ) -> AsyncIterator[RawMessage]:
         if self._refused(rpc, context):
             return
@@ -196,7 +207,7 @@ class TritonForwarder:
 
 def _unary_method(rpc: Rpc) -> Any:
     async def method(
-        self: TritonForwarder, request: bytes, grpc_context: RayServegRPCContext
+        self: TritonForwarder, request: bytes, grpc_context: CallContext
     ) -> RawMessage:
         return await self.forward_unary(rpc, request, grpc_context)
 
@@ -207,7 +218,7 @@ def _unary_method(rpc: Rpc) -> Any:
 def _stream_method(rpc: Rpc) -> Any:
     async def method(
         self: TritonForwarder, request_stream: AsyncIterator[bytes],
-        grpc_context: RayServegRPCContext,
+        grpc_context: CallContext,
     ) -> AsyncIterator[RawMessage]:
         async for reply in self.forward_stream(rpc, request_stream, grpc_context):
             yield reply
@@ -220,7 +231,7 @@ def _stream_method(rpc: Rpc) -> Any:
 for _rpc in RPCS:
     setattr(TritonForwarder, _rpc.name, (_stream_method if _rpc.streaming else _unary_method)(_rpc))
 
-TritonForwarderDeployment = serve.deployment(TritonForwarder, name="TritonForwarder")
+TritonForwarderDeployment: Any = serve.deployment(TritonForwarder, name="TritonForwarder")
 
 
 def build_app(args: dict[str, Any]) -> Any:

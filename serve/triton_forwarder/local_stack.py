@@ -9,6 +9,7 @@ SERVE_CONFIG (serve/serve-config.yaml), TRITON_ARGS (extra tritonserver flags).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -22,7 +23,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import grpc
 import yaml
@@ -63,7 +64,7 @@ class Settings:
     triton_args: tuple[str, ...]
 
     @classmethod
-    def from_env(cls) -> "Settings":
+    def from_env(cls) -> Settings:
         repo = Path(os.environ.get("MODEL_REPOSITORY") or DEFAULT_MODELS).resolve()
         if not repo.is_dir():
             raise SystemExit(f"MODEL_REPOSITORY={repo} is not a directory")
@@ -104,7 +105,7 @@ class Settings:
 
 def local_serve_config(settings: Settings) -> dict[str, Any]:
     """The Serve config file with this machine's ports and Triton address."""
-    config = yaml.safe_load(settings.serve_config.read_text())
+    config: dict[str, Any] = yaml.safe_load(settings.serve_config.read_text())
     config["http_options"] = {
         **config.get("http_options", {}), "host": "127.0.0.1", "port": settings.serve_http_port
     }
@@ -122,7 +123,7 @@ class TritonSupervisor:
         self._backends = triton_binary.prepare_backends(workdir / "backends")
         self.log_path = workdir / "triton.log"
         self._stopping = threading.Event()
-        self._process: Optional[subprocess.Popen[bytes]] = None
+        self._process: subprocess.Popen[bytes] | None = None
         self._thread = threading.Thread(target=self._run, name="triton-supervisor", daemon=True)
 
     def start(self) -> None:
@@ -170,14 +171,11 @@ def _terminate_group(process: subprocess.Popen[bytes], grace_s: float) -> None:
         os.killpg(process.pid, signal.SIGTERM)
     except ProcessLookupError:
         return
-    try:
+    with contextlib.suppress(subprocess.TimeoutExpired):
         process.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        pass
-    try:
+    # Whatever the group leader left behind goes too.
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
     process.wait()
 
 
@@ -198,14 +196,14 @@ def start_ray(settings: Settings, workdir: Path) -> subprocess.Popen[bytes]:
         f"--temp-dir={workdir / 'ray'}",
         "--object-store-memory=4000000000",
     ]
-    log = open(workdir / "ray.log", "ab")
     say(f"starting Ray (GCS {settings.gcs_port}, dashboard {settings.dashboard_port}), "
         f"log: {workdir / 'ray.log'}")
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                            start_new_session=True)
+    with open(workdir / "ray.log", "ab") as log:
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
 
 
-def _http(method: str, url: str, body: Optional[dict[str, Any]] = None,
+def _http(method: str, url: str, body: dict[str, Any] | None = None,
           timeout_s: float = 10) -> Any:
     data = json.dumps(body).encode() if body is not None else None
     request = urllib.request.Request(url, data=data, method=method,
@@ -246,7 +244,7 @@ class LocalStack:
         self.settings = settings
         self.workdir = Path(tempfile.mkdtemp(prefix="sonic-ray-"))
         self.triton = TritonSupervisor(settings, self.workdir)
-        self.ray: Optional[subprocess.Popen[bytes]] = None
+        self.ray: subprocess.Popen[bytes] | None = None
 
     def _ray_alive(self) -> None:
         if self.ray is not None and self.ray.poll() is not None:

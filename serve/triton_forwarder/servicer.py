@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import grpc
 

@@ -34,7 +34,7 @@ class TritonPythonModel:
                 sender.send(pb_utils.InferenceResponse(error=error),
                             flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 return
-            for index, (value, wait_ms) in enumerate(zip(values, delays)):
+            for index, (value, wait_ms) in enumerate(zip(values, delays, strict=True)):
                 if request.is_cancelled():
                     break
                 time.sleep(float(wait_ms) / 1000.0)
