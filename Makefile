@@ -8,7 +8,10 @@ KUBERNETES_VERSION := 1.33.0
 OVERLAYS := $(sort $(wildcard overlays/*))
 MANIFEST ?=
 
-.PHONY: venv test lint local bench validate check lock clean
+KUBECTLS := $(VENV)/bin/kubectl $(wildcard /usr/bin/kubectl)
+CHECK := $(PY) -m schema.check --kubernetes-version $(KUBERNETES_VERSION)
+
+.PHONY: venv test lint local bench validate check schemas lock clean
 
 venv: $(VENV)/.installed
 
@@ -23,6 +26,30 @@ test: venv lint
 lint: venv
 	$(PY) -m ruff check serve tests schema
 	$(PY) -m mypy
+	$(PY) -m yamllint -s .
+
+# Builds every overlay with the pinned kubectl and the machine's (when there is one) and
+# checks each build: invariants, KubeRay's schema, Kubernetes' schemas, the Serve config.
+validate: venv
+	$(PY) -m yamllint -s .
+	@mkdir -p build
+	@set -e; for overlay in $(OVERLAYS); do for kubectl in $(KUBECTLS); do \
+	  case $$kubectl in /usr/*) which=system;; *) which=pinned;; esac; \
+	  out=build/$$(basename $$overlay).$$which.yaml; \
+	  echo "$$kubectl kustomize $$overlay"; \
+	  $$kubectl kustomize $$overlay > $$out; \
+	  $(CHECK) $$out; \
+	done; done
+
+# Checks any built manifest stream: make check MANIFEST=built.yaml (or MANIFEST=- for stdin).
+check: venv
+	@test -n "$(MANIFEST)" || { echo "usage: make check MANIFEST=<built manifest file>"; exit 2; }
+	@$(CHECK) $(MANIFEST)
+
+# Regenerates the strict RayService schema from KubeRay's CRD (CRD=<file or URL> for another).
+CRD ?= ../shared/reference/kuberay-v1.7.0/ray.io_rayservices.yaml
+schemas: venv
+	$(PY) -m schema.crd_to_jsonschema $(CRD) --out schema/generated/kuberay-v1.7.0-rayservice.json
 
 # The whole stack on this machine: Triton, Ray Serve and the forwarder, until Ctrl-C.
 local: venv

@@ -1,0 +1,154 @@
+"""Checks a built manifest stream (what `kubectl kustomize` prints): the deployment invariants,
+KubeRay's RayService schema made strict, the Kubernetes schemas (strict), and each
+serveConfigV2 against the pinned Ray's own Serve schema. One line per violation, naming the
+invariant, the object and the field; exit status 1 when any fails.
+
+    python -m schema.check [--kubernetes-version 1.33.0] MANIFEST [MANIFEST ...]   (- = stdin)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import yaml
+
+from schema.facts import extract
+from schema.serve_config import check_serve_config
+
+HERE = Path(__file__).resolve().parent
+INVARIANTS = json.loads((HERE / "invariants.schema.json").read_text())
+RAYSERVICE_SCHEMA = json.loads((HERE / "generated" / "kuberay-v1.7.0-rayservice.json").read_text())
+DEFAULT_KUBERNETES_VERSION = "1.33.0"
+
+
+def _name(obj: dict[str, Any]) -> str:
+    meta = obj.get("metadata") or {}
+    ns = meta.get("namespace")
+    return f"{obj.get('kind')} {ns + '/' if ns else ''}{meta.get('name')}"
+
+
+def _dotted(path: Any) -> str:
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _titled(schema: dict[str, Any], schema_path: Any) -> dict[str, Any]:
+    """The deepest subschema with a title along the failing schema path."""
+    node: Any = schema
+    best: dict[str, Any] = schema
+    for part in schema_path:
+        try:
+            node = node[part]
+        except (KeyError, IndexError, TypeError):
+            break
+        if isinstance(node, dict) and "title" in node:
+            best = node
+    return best
+
+
+def invariant_violations(obj: dict[str, Any]) -> Iterator[str]:
+    facts = extract(obj)
+    validator = jsonschema.Draft202012Validator(INVARIANTS)
+    for error in sorted(validator.iter_errors(facts.values), key=lambda e: list(e.absolute_path)):
+        rule = _titled(INVARIANTS, error.absolute_schema_path)
+        pointer = "".join(f"/{p}" for p in error.absolute_path)
+        source = next((facts.sources[p] for p in _prefixes(pointer) if p in facts.sources),
+                      "(whole object)")
+        label = rule.get("x-fact", "the value")
+        message = f"{label} is {json.dumps(error.instance)}"
+        if error.validator == "minItems" and error.instance == []:
+            message = f"{label}: none"
+        if rule.get("title") == "model-repository-mounted":
+            repository = facts.values["modelRepositories"][error.absolute_path[1]]["path"]
+            message = f"{repository} lies under no volume mounted into the Triton container"
+        if rule.get("title") == "no-flux-substitution":
+            message = f"{label} holds ${{...}}: {json.dumps(error.instance)[:120]}"
+        if error.validator == "uniqueItems":
+            clashes = {str(p): facts.port_owners.get(str(p), []) for p in error.instance
+                       if error.instance.count(p) > 1}
+            message = "; ".join(f"port {p} is bound by {' and '.join(sorted(set(o)))}"
+                                for p, o in clashes.items())
+        yield (f"{rule.get('title', 'invariant')}: {_name(obj)} {source}: {message} "
+               f"- {rule.get('description', '')}")
+
+
+def _prefixes(pointer: str) -> list[str]:
+    parts = pointer.split("/")
+    return ["/".join(parts[:n]) for n in range(len(parts), 1, -1)]
+
+
+def rayservice_violations(obj: dict[str, Any]) -> Iterator[str]:
+    validator = jsonschema.Draft202012Validator(RAYSERVICE_SCHEMA)
+    for error in sorted(validator.iter_errors(obj), key=lambda e: list(e.absolute_path)):
+        yield f"kuberay-crd: {_name(obj)} {_dotted(error.absolute_path) or '(object)'}: {error.message}"
+    config_text = (obj.get("spec") or {}).get("serveConfigV2")
+    try:
+        config = yaml.safe_load(config_text or "")
+    except yaml.YAMLError as error:
+        yield f"serve-config: {_name(obj)} spec.serveConfigV2: not YAML ({error})"
+        return
+    for problem in check_serve_config(config, "spec.serveConfigV2"):
+        yield f"serve-config: {_name(obj)} {problem}"
+    yield from invariant_violations(obj)
+
+
+def kubernetes_violations(obj: dict[str, Any], version: str) -> Iterator[str]:
+    try:
+        kubernetes_validate.validate(obj, version, strict=True)
+    except kubernetes_validate.SchemaNotFoundError:
+        return  # a custom resource (ServiceMonitor, …): no schema here to hold it to
+    except kubernetes_validate.ValidationError as error:
+        path = _dotted(error.path) or "(object)"
+        yield f"kubernetes-schema: {_name(obj)} {path}: {error.message}"
+
+
+def check_stream(text: str, kubernetes_version: str) -> tuple[list[str], int]:
+    """Violations of every object in a manifest stream, and how many RayServices it holds."""
+    try:
+        objects = [o for o in yaml.safe_load_all(text) if o is not None]
+    except yaml.YAMLError as error:
+        return [f"yaml: the manifest is not YAML: {error}"], 0
+    problems: list[str] = []
+    rayservices = 0
+    for obj in objects:
+        if not isinstance(obj, dict) or "kind" not in obj:
+            problems.append(f"yaml: not a Kubernetes object: {str(obj)[:80]}")
+            continue
+        if obj["kind"] == "RayService":
+            rayservices += 1
+            problems += rayservice_violations(obj)
+        else:
+            problems += kubernetes_violations(obj, kubernetes_version)
+    if rayservices == 0:
+        problems.append("rayservice-present: the manifest holds no RayService")
+    return problems, rayservices
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("manifests", nargs="+")
+    parser.add_argument("--kubernetes-version", default=DEFAULT_KUBERNETES_VERSION)
+    args = parser.parse_args(argv)
+    failed = False
+    for manifest in args.manifests:
+        text = sys.stdin.read() if manifest == "-" else Path(manifest).read_text()
+        problems, rayservices = check_stream(text, args.kubernetes_version)
+        for problem in problems:
+            print(problem)
+        failed |= bool(problems)
+        verdict = f"{len(problems)} violation(s)" if problems else "ok"
+        print(f"{manifest}: {verdict} ({rayservices} RayService(s))", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,230 @@
+"""The facts about one built RayService that schema/invariants.schema.json states its rules over.
+
+Extraction only reads values and does arithmetic; every rule (which values, which signs,
+which relations must hold) lives in the schema. Where a rule relates two places, the fact is
+their difference, e.g. `graceMinusTritonExitTimeout` = terminationGracePeriodSeconds minus
+Triton's --exit-timeout-secs, and the schema says it must be positive.
+
+Each fact comes with the manifest field it was read from, for the messages.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Any
+
+import yaml
+
+FORWARDER_IMPORT_PATH = "triton_forwarder.deployment:build_app"
+TRITON_RESOURCE = "triton"
+GPU_RESOURCE = re.compile(r"^nvidia\.com/(gpu|mig-.+)$")
+REMOTE_REPOSITORY = re.compile(r"^([a-z0-9]+://|\$\()")
+ACCELERATOR_ANNOTATION = "sonic-ray.io/accelerator"
+# Triton's defaults when a flag is absent.
+TRITON_DEFAULTS: dict[str, Any] = {"http-port": 8000, "grpc-port": 8001, "metrics-port": 8002,
+                   "exit-timeout-secs": 30, "model-control-mode": "none"}
+# Ports Ray binds in a pod, by `ray start` parameter, with Ray's defaults.
+RAY_PORT_PARAMS = {"port": 6379, "dashboard-port": 8265, "ray-client-server-port": 10001,
+                   "metrics-export-port": 8080, "dashboard-agent-listen-port": 52365,
+                   "dashboard-agent-grpc-port": None}
+
+
+@dataclass
+class Facts:
+    values: dict[str, Any] = field(default_factory=dict)
+    # JSON pointer into `values` -> manifest field it was read from.
+    sources: dict[str, str] = field(default_factory=dict)
+    # Port -> what binds it, for the message when two claim the same port.
+    port_owners: dict[str, list[str]] = field(default_factory=dict)
+
+    def put(self, key: str, value: Any, source: str) -> None:
+        self.values[key] = value
+        self.sources[f"/{key}"] = source
+
+    def append(self, key: str, value: Any, source: str) -> None:
+        items = self.values.setdefault(key, [])
+        self.sources[f"/{key}/{len(items)}"] = source
+        items.append(value)
+
+
+def tested_ray_version() -> str:
+    return metadata.version("ray")
+
+
+def flags(argv: list[str]) -> dict[str, list[str]]:
+    """--name=value and --name value, every occurrence."""
+    found: dict[str, list[str]] = {}
+    index = 0
+    while index < len(argv):
+        arg = argv[index]
+        if arg.startswith("--"):
+            name, eq, value = arg[2:].partition("=")
+            if not eq and index + 1 < len(argv) and not argv[index + 1].startswith("--"):
+                value = argv[index + 1]
+                index += 1
+            found.setdefault(name, []).append(value)
+        index += 1
+    return found
+
+
+def _int(value: Any) -> Any:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return value
+
+
+def _gpus(container: dict[str, Any]) -> int:
+    resources = container.get("resources") or {}
+    counts = [
+        sum(int(_int(v)) for k, v in (resources.get(kind) or {}).items() if GPU_RESOURCE.match(k))
+        for kind in ("limits", "requests")
+    ]
+    return max(counts)
+
+
+def _is_triton(container: dict[str, Any]) -> bool:
+    return container.get("name") == "triton" or "tritonserver" in str(container.get("image"))
+
+
+def _ray_version_of(image: str) -> str:
+    tag = image.rsplit("@", 1)[0].rsplit("/", 1)[-1].partition(":")[2]
+    match = re.match(r"^(\d+\.\d+\.\d+)", tag)
+    return match.group(1) if match else f"unknown ({image})"
+
+
+def _serve_config(spec: dict[str, Any]) -> dict[str, Any]:
+    try:
+        config = yaml.safe_load(spec.get("serveConfigV2") or "") or {}
+    except yaml.YAMLError:
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def _forwarder(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], str]:
+    for index, app in enumerate(config.get("applications") or []):
+        if isinstance(app, dict) and app.get("import_path") == FORWARDER_IMPORT_PATH:
+            deployments = app.get("deployments") or [{}]
+            return app, deployments[0], f"spec.serveConfigV2 applications[{index}]"
+    return {}, {}, "spec.serveConfigV2 applications"
+
+
+def extract(rayservice: dict[str, Any]) -> Facts:
+    facts = Facts()
+    spec = rayservice.get("spec") or {}
+    cluster = spec.get("rayClusterConfig") or {}
+    head = cluster.get("headGroupSpec") or {}
+    groups = cluster.get("workerGroupSpecs") or []
+    annotations = (rayservice.get("metadata") or {}).get("annotations") or {}
+    config = _serve_config(spec)
+    app, deployment, app_path = _forwarder(config)
+    auto = deployment.get("autoscaling_config") or {}
+    actor = deployment.get("ray_actor_options") or {}
+    deployment_path = f"{app_path}.deployments[0]"
+
+    facts.put("accelerator", annotations.get(ACCELERATOR_ANNOTATION, "gpu"),
+              f"metadata.annotations[{ACCELERATOR_ANNOTATION}]")
+    facts.put("headNumCpus", (head.get("rayStartParams") or {}).get("num-cpus"),
+              "spec.rayClusterConfig.headGroupSpec.rayStartParams.num-cpus")
+    facts.put("serveConfigV2", spec.get("serveConfigV2") or "", "spec.serveConfigV2")
+    facts.put("forwarderApplications", 1 if app else 0, "spec.serveConfigV2 applications")
+
+    serve_http = _int((config.get("http_options") or {}).get("port", 8000))
+    serve_grpc = _int((config.get("grpc_options") or {}).get("port", 9000))
+    forwarder_port = _int(str((app.get("args") or {}).get("triton_address",
+                                                          "localhost:8001")).rpartition(":")[2])
+    min_replicas = _int(auto.get("min_replicas", deployment.get("num_replicas", 1)))
+    max_replicas = _int(auto.get("max_replicas", min_replicas))
+    facts.put("serveMinReplicas", min_replicas, f"{deployment_path}.autoscaling_config.min_replicas")
+    facts.put("serveMaxMinusMinReplicas", _diff(max_replicas, min_replicas),
+              f"{deployment_path}.autoscaling_config.max_replicas")
+    facts.put("replicaResources", actor.get("resources") or {},
+              f"{deployment_path}.ray_actor_options.resources")
+    graceful = _int(deployment.get("graceful_shutdown_timeout_s", 20))
+
+    for index, port in enumerate((spec.get("serveService") or {}).get("spec", {}).get("ports") or []):
+        facts.append("clientTargetMinusServeGrpcPort",
+                     _diff(_int(port.get("targetPort", port.get("port"))), serve_grpc),
+                     f"spec.serveService.spec.ports[{index}].targetPort")
+
+    versions = {tested_ray_version(), str(cluster.get("rayVersion"))}
+    templates = [("spec.rayClusterConfig.headGroupSpec", head)] + [
+        (f"spec.rayClusterConfig.workerGroupSpecs[{g.get('groupName')}]", g) for g in groups
+    ]
+    for group_path, group in templates:
+        pod = ((group.get("template") or {}).get("spec")) or {}
+        containers = pod.get("containers") or []
+        for container in containers + (pod.get("initContainers") or []):
+            where = f"{group_path}.template.spec.containers[{container.get('name')}]"
+            image = str(container.get("image"))
+            facts.append("images", image, f"{where}.image")
+            if "ray" in image.rsplit("/", 1)[-1].split(":")[0] and not _is_triton(container):
+                versions.add(_ray_version_of(image))
+            key = "tritonGpus" if _is_triton(container) else "otherGpus"
+            facts.append(key, _gpus(container), f"{where}.resources")
+
+    for group in groups:
+        group_path = f"spec.rayClusterConfig.workerGroupSpecs[{group.get('groupName')}]"
+        pod = ((group.get("template") or {}).get("spec")) or {}
+        tritons = [c for c in pod.get("containers") or [] if _is_triton(c)]
+        if TRITON_RESOURCE not in (group.get("resources") or {}) and not tritons:
+            continue
+        facts.append("tritonPerWorkerPod", len(tritons), f"{group_path}.template.spec.containers")
+        facts.append("groupResources", group.get("resources") or {}, f"{group_path}.resources")
+        facts.append("groupMinReplicas", _int(group.get("minReplicas")), f"{group_path}.minReplicas")
+        facts.append("groupMaxMinusServeMaxReplicas",
+                     _diff(_int(group.get("maxReplicas")), max_replicas),
+                     f"{group_path}.maxReplicas")
+        grace = _int(pod.get("terminationGracePeriodSeconds", 30))
+        facts.append("graceMinusServeGracefulShutdown", _diff(grace, graceful),
+                     f"{group_path}.template.spec.terminationGracePeriodSeconds")
+        mounts_by_volume = {v.get("name"): v for v in pod.get("volumes") or []}
+        ray_params = {**RAY_PORT_PARAMS, **(group.get("rayStartParams") or {})}
+        for container in tritons:
+            where = f"{group_path}.template.spec.containers[{container.get('name')}]"
+            argv = [str(a) for a in (container.get("command") or []) + (container.get("args") or [])]
+            found = flags(argv)
+
+            def flag(name: str, found: dict[str, list[str]] = found) -> Any:
+                given = found.get(name)
+                return _int(given[-1]) if given else TRITON_DEFAULTS[name]
+
+            facts.append("tritonFlags", argv, f"{where}.args")
+            facts.append("graceMinusTritonExitTimeout", _diff(grace, flag("exit-timeout-secs")),
+                         f"{group_path}.template.spec.terminationGracePeriodSeconds")
+            facts.append("forwarderTargetMinusTritonGrpcPort",
+                         _diff(forwarder_port, flag("grpc-port")),
+                         f"{app_path}.args.triton_address")
+            owners: list[tuple[Any, str]] = [
+                (flag("http-port"), f"{where} --http-port"),
+                (flag("grpc-port"), f"{where} --grpc-port"),
+                (flag("metrics-port"), f"{where} --metrics-port"),
+                (serve_http, "Serve HTTP proxy (serveConfigV2 http_options.port)"),
+                (serve_grpc, "Serve gRPC proxy (serveConfigV2 grpc_options.port)"),
+            ] + [(_int(v), f"Ray {k} (rayStartParams)") for k, v in ray_params.items() if v]
+            ports = [port for port, _ in owners]
+            facts.append("podPorts", ports, f"{where}.args")
+            for port, owner in owners:
+                facts.port_owners.setdefault(str(port), []).append(owner)
+            facts.append("tritonModelControl",
+                         {"mode": flag("model-control-mode"), "loadModels": found.get("load-model", [])},
+                         f"{where}.args")
+            mounts = [
+                m.get("mountPath", "") for m in container.get("volumeMounts") or []
+                if m.get("name") in mounts_by_volume
+            ]
+            for repository in found.get("model-repository", []):
+                mount = next((m for m in sorted(mounts, key=len, reverse=True)
+                              if repository == m or repository.startswith(m.rstrip("/") + "/")),
+                             "remote" if REMOTE_REPOSITORY.match(repository) else None)
+                facts.append("modelRepositories", {"path": repository, "mount": mount},
+                             f"{where}.args --model-repository")
+    facts.put("rayVersions", sorted(versions),
+              "spec.rayClusterConfig.rayVersion, the Ray images and requirements.txt")
+    return facts
+
+
+def _diff(a: Any, b: Any) -> Any:
+    return a - b if isinstance(a, int) and isinstance(b, int) else None

@@ -1,0 +1,233 @@
+"""Every overlay and component builds with real kustomize and passes every check; each
+invariant refuses its known-bad fixture, naming the object and field, and passes its
+known-good one (gatekeeper-library style: tests/fixtures/invariants/<invariant>/)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from schema.check import check_stream
+from tests.kustomize import KUBECTLS, OVERLAYS, PINNED_KUBECTL, ROOT, build
+
+FIXTURES = ROOT / "tests" / "fixtures" / "invariants"
+INVARIANTS = sorted(p.name for p in FIXTURES.iterdir() if p.is_dir())
+
+
+def objects(text: str) -> list[dict[str, Any]]:
+    return [o for o in yaml.safe_load_all(text) if o]
+
+
+def rayservice(text: str) -> dict[str, Any]:
+    (found,) = [o for o in objects(text) if o["kind"] == "RayService"]
+    return found
+
+
+@pytest.mark.parametrize("kubectl", KUBECTLS, ids=[str(k) for k in KUBECTLS])
+@pytest.mark.parametrize("overlay", OVERLAYS, ids=[o.name for o in OVERLAYS])
+def test_overlay_builds_and_passes_every_check(overlay: Path, kubectl: Path) -> None:
+    built = build(overlay, kubectl)
+    problems, rayservices = check_stream(built, "1.33.0")
+    assert problems == []
+    assert rayservices == 1
+
+
+@pytest.mark.skipif(len(KUBECTLS) < 2, reason="the machine has no /usr/bin/kubectl")
+@pytest.mark.parametrize("overlay", OVERLAYS, ids=[o.name for o in OVERLAYS])
+def test_kustomize_5_5_and_5_8_build_the_same(overlay: Path) -> None:
+    assert build(overlay, KUBECTLS[0]) == build(overlay, KUBECTLS[1])
+
+
+def test_the_real_sites_and_local_are_all_there() -> None:
+    assert {o.name for o in OVERLAYS} >= {"purdue-af", "nautilus", "local"}
+
+
+@pytest.mark.parametrize("overlay", ["purdue-af", "nautilus"])
+def test_sites_embed_the_serve_config_of_serve_dir(overlay: str) -> None:
+    spec = rayservice(build(ROOT / "overlays" / overlay))["spec"]
+    assert spec["serveConfigV2"] == (ROOT / "serve" / "serve-config.yaml").read_text()
+
+
+def test_an_overlays_own_serve_config_wins() -> None:
+    spec = rayservice(build(ROOT / "overlays" / "local"))["spec"]
+    assert spec["serveConfigV2"] == (ROOT / "overlays" / "local" / "serve-config.yaml").read_text()
+    config = yaml.safe_load(spec["serveConfigV2"])
+    assert config["applications"][0]["deployments"][0]["autoscaling_config"]["max_replicas"] == 2
+
+
+def test_forwarder_code_is_mounted_from_a_generated_configmap() -> None:
+    built = objects(build(ROOT / "overlays" / "purdue-af"))
+    (code,) = [o for o in built if o["kind"] == "ConfigMap"
+               and o["metadata"]["name"].startswith("triton-forwarder-")]
+    for module in ("__init__.py", "rpcs.py", "servicer.py", "deployment.py"):
+        assert code["data"][module] == (ROOT / "serve" / "triton_forwarder" / module).read_text()
+    cluster = rayservice(yaml.safe_dump_all(built))["spec"]["rayClusterConfig"]
+    for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
+        pod = group["template"]["spec"]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes["triton-forwarder"]["configMap"]["name"] == code["metadata"]["name"]
+        ray = pod["containers"][0]
+        assert {"name": "PYTHONPATH", "value": "/opt/sonic-ray"} in ray["env"]
+        assert any(m["mountPath"] == "/opt/sonic-ray/triton_forwarder" for m in ray["volumeMounts"])
+    assert not any(o["kind"] == "ConfigMap" and o["metadata"]["name"].startswith("serve-config")
+                   for o in built)
+
+
+def test_purdue_overlay_is_the_site() -> None:
+    built = objects(build(ROOT / "overlays" / "purdue-af"))
+    assert {o["metadata"].get("namespace") for o in built} == {"cms"}
+    service = rayservice(yaml.safe_dump_all(built))["spec"]
+    worker = service["rayClusterConfig"]["workerGroupSpecs"][0]
+    pod = worker["template"]["spec"]
+    triton = pod["containers"][1]
+    loads = [a.split("=", 1)[1] for a in triton["args"] if a.startswith("--load-model=")]
+    assert len(loads) == 10 and "--model-control-mode=explicit" in triton["args"]
+    assert len([a for a in triton["args"] if a.startswith("--model-repository=/cvmfs/")]) == 4
+    assert pod["nodeSelector"] == {"cms-af-prod": "true"}
+    assert pod["tolerations"][0]["value"] == "cms-af"
+    assert service["serveService"]["spec"]["type"] == "LoadBalancer"
+    assert service["serveService"]["metadata"]["annotations"] == {
+        "metallb.universe.tf/address-pool": "geddes-private-pool"}
+    assert pod["containers"][0]["image"].startswith(
+        "geddes-registry.rcac.purdue.edu/docker-hub-cache/rayproject/ray:2.60.0")
+    metrics = [o for o in built if o["kind"] == "Service"]
+    assert metrics and all(o["metadata"]["labels"]["scrape_metrics"] == "true" for o in metrics)
+    models = next(v for v in pod["volumes"] if v["name"] == "models")
+    assert models["persistentVolumeClaim"]["claimName"] == "cvmfs"
+    mount = next(m for m in triton["volumeMounts"] if m["name"] == "models")
+    assert mount == {"name": "models", "mountPath": "/cvmfs", "readOnly": True,
+                     "mountPropagation": "HostToContainer"}
+
+
+def test_nautilus_overlay_is_the_site() -> None:
+    built = objects(build(ROOT / "overlays" / "nautilus"))
+    (ingress,) = [o for o in built if o["kind"] == "Ingress"]
+    assert ingress["spec"]["ingressClassName"] == "haproxy"
+    assert ingress["metadata"]["annotations"]["haproxy-ingress.github.io/backend-protocol"] == "h2"
+    assert ingress["spec"]["rules"][0]["host"] == "sonic-cms.nrp-nautilus.io"
+    pod = rayservice(yaml.safe_dump_all(built))["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
+    spec = pod["template"]["spec"]
+    assert spec["nodeSelector"] == {"topology.kubernetes.io/zone": "ucsd"}
+    triton = spec["containers"][1]
+    assert "--backend-config=onnxruntime,enable-global-threadpool=1" in triton["args"]
+    assert not any("RecoEgamma" in a for a in triton["args"])
+    assert all("CMSSW_14_1_0_pre7" in a for a in triton["args"] if "model-repository" in a)
+    assert triton["resources"]["limits"] == {"cpu": "1", "memory": "3G", "nvidia.com/gpu": 1}
+
+
+def test_optional_components_build_together() -> None:
+    built = build(ROOT / "tests" / "fixtures" / "components" / "all-optional")
+    problems, _ = check_stream(built, "1.33.0")
+    assert problems == []
+    triton = rayservice(built)["spec"]["rayClusterConfig"]["workerGroupSpecs"][0][
+        "template"]["spec"]["containers"][1]
+    assert triton["resources"]["limits"] == {"memory": "16Gi", "nvidia.com/mig-1g.10gb": 1}
+    assert triton["envFrom"] == [{"secretRef": {"name": "triton-s3-models"}}]
+    assert triton["args"] == ["--model-repository=$(MODEL_REPOSITORY_URL)"]
+    assert sorted(o["metadata"]["name"] for o in objects(built)
+                  if o["kind"] == "ServiceMonitor") == ["ray-metrics", "triton-metrics"]
+
+
+@pytest.mark.parametrize("invariant", INVARIANTS)
+def test_known_good_fixture_passes(invariant: str) -> None:
+    problems, _ = check_stream(build(FIXTURES / invariant / "allowed"), "1.33.0")
+    assert problems == []
+
+
+@pytest.mark.parametrize("invariant", INVARIANTS)
+def test_known_bad_fixture_is_refused_naming_object_and_field(invariant: str) -> None:
+    name, field = (FIXTURES / invariant / "disallowed" / "expected").read_text().split("\n")[:2]
+    assert name == invariant
+    problems, _ = check_stream(build(FIXTURES / invariant / "disallowed"), "1.33.0")
+    mine = [p for p in problems if p.startswith(f"{invariant}: ")]
+    assert mine, problems
+    assert any(field in p and ("RayService " in p or "Service " in p) for p in mine), mine
+    assert all("\n" not in p for p in problems)
+
+
+def test_check_command_prints_a_line_per_violation_and_fails() -> None:
+    bad = build(FIXTURES / "ports-separate" / "disallowed")
+    result = subprocess.run([sys.executable, "-m", "schema.check", "-"], input=bad, text=True,
+                            capture_output=True, cwd=ROOT, timeout=120)
+    assert result.returncode == 1
+    assert result.stdout.startswith("ports-separate: RayService cms/triton ")
+    good = build(ROOT / "overlays" / "nautilus")
+    result = subprocess.run([sys.executable, "-m", "schema.check", "-"], input=good, text=True,
+                            capture_output=True, cwd=ROOT, timeout=120)
+    assert (result.returncode, result.stdout) == (0, "")
+
+
+def test_a_manifest_without_rayservice_is_refused() -> None:
+    problems, _ = check_stream("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: x}\n", "1.33.0")
+    assert problems == ["rayservice-present: the manifest holds no RayService"]
+
+
+def test_pinned_kubectl_is_the_one_asked_for() -> None:
+    version = subprocess.run([str(PINNED_KUBECTL), "version", "--client"], capture_output=True,
+                             text=True, check=True).stdout
+    assert "v1.37.1" in version and "v5.8.1" in version
+
+
+FLUX = sorted((ROOT / "clusters").glob("*/sonic-ray.yaml"))
+
+
+@pytest.mark.parametrize("flux", FLUX, ids=[f.parent.name for f in FLUX])
+def test_flux_kustomization_deploys_its_site_overlay(flux: Path) -> None:
+    docs = {d["kind"]: d for d in objects(flux.read_text())}
+    source, kustomization = docs["GitRepository"], docs["Kustomization"]
+    spec = kustomization["spec"]
+    assert spec["sourceRef"] == {"kind": "GitRepository", "name": source["metadata"]["name"]}
+    assert spec["path"] == f"./overlays/{flux.parent.name}"
+    assert (ROOT / spec["path"] / "kustomization.yaml").exists()
+    assert spec["dependsOn"] == [{"name": "kuberay-operator"}]
+    assert spec["prune"] is True and spec["wait"] is True
+    minutes = int(spec["timeout"].rstrip("m"))
+    assert minutes >= 20, "GPU node scale-up plus a cold model load takes more than 20 minutes"
+    assert "postBuild" not in spec
+    (check,) = spec["healthCheckExprs"]
+    assert check["kind"] == "RayService" and "Ready" in check["current"]
+    built = rayservice(build(ROOT / spec["path"]))
+    annotations = built["metadata"]["annotations"]
+    assert annotations["kustomize.toolkit.fluxcd.io/substitute"] == "disabled"
+
+
+def test_committed_rayservice_schema_is_what_the_generator_makes(tmp_path: Path) -> None:
+    crd = ROOT.parent / "shared" / "reference" / "kuberay-v1.7.0" / "ray.io_rayservices.yaml"
+    committed = (ROOT / "schema" / "generated" / "kuberay-v1.7.0-rayservice.json").read_text()
+    if not crd.exists():
+        pytest.skip("../shared/reference is not beside this checkout")
+    out = tmp_path / "schema.json"
+    subprocess.run([sys.executable, "-m", "schema.crd_to_jsonschema",
+                    "../shared/reference/kuberay-v1.7.0/ray.io_rayservices.yaml", "--out", str(out)],
+                   cwd=ROOT, check=True, timeout=120)
+    assert out.read_text() == committed
+
+
+def test_generator_makes_a_crd_strict_where_it_lists_properties(tmp_path: Path) -> None:
+    from schema.crd_to_jsonschema import generate
+
+    crd = {
+        "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+        "metadata": {"name": "things.example.org"},
+        "spec": {"group": "example.org", "names": {"kind": "Thing"}, "versions": [{
+            "name": "v1", "schema": {"openAPIV3Schema": {"type": "object", "properties": {
+                "spec": {"type": "object", "description": "dropped", "properties": {
+                    "port": {"x-kubernetes-int-or-string": True},
+                    "free": {"type": "object", "x-kubernetes-preserve-unknown-fields": True,
+                             "properties": {"a": {"type": "string"}}},
+                }}}}}}]},
+    }
+    path = tmp_path / "crd.yaml"
+    path.write_text(yaml.safe_dump(crd))
+    schema = generate(str(path), "v1")
+    spec = schema["properties"]["spec"]
+    assert spec["additionalProperties"] is False and "description" not in spec
+    assert "additionalProperties" not in spec["properties"]["free"]
+    assert spec["properties"]["port"]["anyOf"] == [{"type": "integer"}, {"type": "string"}]
+    assert schema["properties"]["kind"] == {"const": "Thing"}
+    assert len(schema["x-sha256"]) == 64
