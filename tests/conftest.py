@@ -4,6 +4,7 @@ session, on ports of its own so that a running `make local` is left alone."""
 from __future__ import annotations
 
 import shutil
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,7 @@ from tests.local_stack_process import (
     TEST_MODELS,
     StackProcess,
     free_ports,
+    leftover_processes,
     merged_model_repository,
 )
 
@@ -61,3 +63,10 @@ def stack() -> Iterator[Stack]:
         code = process.stop()
         shutil.rmtree(repo, ignore_errors=True)
         assert code == 0, f"the local stack exited with {code} on SIGTERM"
+        left = leftover_processes(process)
+        for _ in range(20):  # killed processes may take a moment to be reaped
+            if not left:
+                break
+            time.sleep(0.5)
+            left = leftover_processes(process)
+        assert not left, f"processes left behind after SIGTERM: {left}"

@@ -108,3 +108,20 @@ class StackProcess:
         except subprocess.TimeoutExpired:
             os.killpg(self.process.pid, signal.SIGKILL)
             return self.process.wait()
+
+
+def leftover_processes(stack: StackProcess) -> list[str]:
+    """Processes still running whose command line names the stack's work directory."""
+    workdirs = {m.group(1) for line in stack.lines
+                if (m := re.search(r"(/[^ ]*/sonic-ray-[^/ ]+)/", line))}
+    left = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if any(workdir in cmdline for workdir in workdirs):
+            left.append(f"{proc.name}: {cmdline[:120]}")
+    return left

@@ -231,3 +231,28 @@ def test_generator_makes_a_crd_strict_where_it_lists_properties(tmp_path: Path) 
     assert spec["properties"]["port"]["anyOf"] == [{"type": "integer"}, {"type": "string"}]
     assert schema["properties"]["kind"] == {"const": "Thing"}
     assert len(schema["x-sha256"]) == 64
+
+
+def test_triton_prestop_runs_and_waits_while_serve_grpc_listens() -> None:
+    import socket
+    import threading
+    import time
+
+    pod = rayservice(build(ROOT / "overlays" / "local"))["spec"]["rayClusterConfig"][
+        "workerGroupSpecs"][0]["template"]["spec"]
+    command = pod["containers"][1]["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[0] == "/bin/sh"  # exec form, with a shell the Triton image has
+    listener = socket.socket(socket.AF_INET6)
+    try:
+        listener.bind(("::", 9000))
+    except OSError:
+        pytest.skip("port 9000 is taken on this machine")
+    listener.listen()
+    threading.Timer(2.0, listener.close).start()
+    started = time.monotonic()
+    subprocess.run(command, check=True, timeout=40)
+    waited = time.monotonic() - started
+    assert 1.5 < waited < 10, waited
+    started = time.monotonic()
+    subprocess.run(command, check=True, timeout=40)
+    assert time.monotonic() - started < 1.5
