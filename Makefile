@@ -24,7 +24,7 @@ test: venv lint
 	$(PY) -m pytest
 
 lint: venv
-	$(PY) -m ruff check serve tests schema
+	$(PY) -m ruff check serve tests schema bench
 	$(PY) -m mypy
 	$(PY) -m yamllint -s .
 
@@ -64,3 +64,9 @@ lock:
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+
+# The cost of the Serve hop against Triton directly, same run, same client: a table, JSON and
+# a PNG plot in bench-results/. MODES="default classic haproxy ..." compares ingress modes.
+MODES ?= default
+bench: venv
+	$(PY) -m bench.serve_hop --modes $(MODES)

@@ -25,6 +25,11 @@ ACCELERATOR_ANNOTATION = "sonic-ray.io/accelerator"
 # Triton's defaults when a flag is absent.
 TRITON_DEFAULTS: dict[str, Any] = {"http-port": 8000, "grpc-port": 8001, "metrics-port": 8002,
                    "exit-timeout-secs": 30, "model-control-mode": "none"}
+# Ports Serve's HAProxy ingress binds beside Serve's own (serve/ray-env.env), with Ray's
+# defaults: HAProxy stats and metrics, the fallback proxy used while no replica is up.
+HAPROXY_PORTS = {"RAY_SERVE_HAPROXY_STATS_PORT": 8404, "RAY_SERVE_HAPROXY_METRICS_PORT": 9101,
+                 "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": 8500,
+                 "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT": 9500}
 # Ports Ray binds in a pod, by `ray start` parameter, with Ray's defaults.
 RAY_PORT_PARAMS = {"port": 6379, "dashboard-port": 8265, "ray-client-server-port": 10001,
                    "metrics-export-port": 8080, "dashboard-agent-listen-port": 52365,
@@ -203,7 +208,10 @@ def extract(rayservice: dict[str, Any]) -> Facts:
                 (flag("metrics-port"), f"{where} --metrics-port"),
                 (serve_http, "Serve HTTP proxy (serveConfigV2 http_options.port)"),
                 (serve_grpc, "Serve gRPC proxy (serveConfigV2 grpc_options.port)"),
-            ] + [(_int(v), f"Ray {k} (rayStartParams)") for k, v in ray_params.items() if v]
+            ] + [(_int(v), f"Ray {k} (rayStartParams)") for k, v in ray_params.items() if v] + [
+                (port, f"Serve's HAProxy ingress ({name})") for name, port in HAPROXY_PORTS.items()]
+            for name in ("http-port", "grpc-port", "metrics-port"):
+                facts.append("tritonPorts", flag(name), f"{where}.args --{name}")
             ports = [port for port, _ in owners]
             facts.append("podPorts", ports, f"{where}.args")
             for port, owner in owners:

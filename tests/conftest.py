@@ -15,9 +15,9 @@ from tests.local_stack_process import (
     EXAMPLE_MODELS,
     TEST_MODELS,
     StackProcess,
-    free_ports,
     leftover_processes,
     merged_model_repository,
+    stack_ports_env,
 )
 
 
@@ -42,23 +42,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 @pytest.fixture(scope="session")
 def stack() -> Iterator[Stack]:
     repo = merged_model_repository([EXAMPLE_MODELS, TEST_MODELS])
-    grpc, t_http, t_grpc, t_metrics, s_http, gcs, dash = free_ports(7)
+    ports = stack_ports_env()
     process = StackProcess(
         {
+            **ports,
             "MODEL_REPOSITORY": str(repo),
-            "GRPC_PORT": str(grpc),
-            "TRITON_HTTP_PORT": str(t_http),
-            "TRITON_GRPC_PORT": str(t_grpc),
-            "TRITON_METRICS_PORT": str(t_metrics),
-            "SERVE_HTTP_PORT": str(s_http),
-            "RAY_GCS_PORT": str(gcs),
-            "RAY_DASHBOARD_PORT": str(dash),
             "TRITON_ARGS": "--grpc-header-forward-pattern=x-sonic-.*",
         }
     )
     try:
         process.wait_for_line(r"\bready\b", timeout_s=420)
-        yield Stack(process, f"localhost:{grpc}", f"localhost:{t_grpc}", repo)
+        yield Stack(process, f"localhost:{ports['GRPC_PORT']}",
+                    f"localhost:{ports['TRITON_GRPC_PORT']}", repo)
     finally:
         code = process.stop()
         shutil.rmtree(repo, ignore_errors=True)

@@ -34,6 +34,15 @@ def free_ports(count: int) -> list[int]:
             s.close()
 
 
+def stack_ports_env() -> dict[str, str]:
+    """Ports of a stack of its own, clear of `make local`'s and of any other stack's."""
+    names = ["GRPC_PORT", "TRITON_HTTP_PORT", "TRITON_GRPC_PORT", "TRITON_METRICS_PORT",
+             "SERVE_HTTP_PORT", "RAY_GCS_PORT", "RAY_DASHBOARD_PORT",
+             "RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT",
+             "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT", "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT"]
+    return {name: str(port) for name, port in zip(names, free_ports(len(names)), strict=True)}
+
+
 def merged_model_repository(sources: Iterable[Path]) -> Path:
     """A fresh copy of the example and test models: the slow model writes markers into it."""
     repo = Path(tempfile.mkdtemp(prefix="sonic-ray-models-"))

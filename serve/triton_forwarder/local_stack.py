@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -34,6 +35,7 @@ from .rpcs import SERVICE
 SERVE_DIR = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = SERVE_DIR / "serve-config.yaml"
 DEFAULT_MODELS = SERVE_DIR / "models"
+RAY_ENV_FILE = SERVE_DIR / "ray-env.env"
 READY_TIMEOUT_S = 600.0
 
 
@@ -137,7 +139,7 @@ class TritonSupervisor:
         with open(self.log_path, "ab") as log:
             process = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, env=triton_binary.environment(),
-                start_new_session=True,
+                preexec_fn=_die_with_stack,
             )
         say(f"triton started (pid {process.pid}), log: {self.log_path}")
         return process
@@ -166,6 +168,33 @@ class TritonSupervisor:
         self._thread.join(timeout=20)
 
 
+def _die_with_stack() -> None:
+    """Runs in a child before exec: if the stack dies without cleaning up, so does the child."""
+    _set_parent_death_signal()
+    os.setsid()
+
+
+def _session_members(sid: int) -> list[int]:
+    members = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid:
+            members.append(int(proc.name))
+    return members
+
+
+def _kill_session(sid: int) -> None:
+    """Ray's workers change process group (and HAProxy is their child): a session holds all."""
+    for pid in _session_members(sid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
 def _terminate_group(process: subprocess.Popen[bytes], grace_s: float) -> None:
     try:
         os.killpg(process.pid, signal.SIGTERM)
@@ -173,19 +202,37 @@ def _terminate_group(process: subprocess.Popen[bytes], grace_s: float) -> None:
         return
     with contextlib.suppress(subprocess.TimeoutExpired):
         process.wait(timeout=grace_s)
-    # Whatever the group leader left behind goes too.
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)
+    # Whatever the session leader left behind goes too.
+    _kill_session(process.pid)
     process.wait()
 
 
+def ray_env_defaults() -> dict[str, str]:
+    """serve/ray-env.env: the same Ray environment as the RayService's ray-env ConfigMap."""
+    defaults = {}
+    for line in RAY_ENV_FILE.read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            name, _, value = line.partition("=")
+            defaults[name.strip()] = value.strip()
+    return defaults
+
+
 def start_ray(settings: Settings, workdir: Path) -> subprocess.Popen[bytes]:
-    env = dict(os.environ)
+    # What the caller's environment sets wins (make bench compares modes that way).
+    env = {**ray_env_defaults(), **os.environ}
     env["PYTHONPATH"] = os.pathsep.join(
         part for part in (str(SERVE_DIR), env.get("PYTHONPATH", "")) if part
     )
     env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    env.setdefault("RAY_SERVE_GRPC_MAX_MESSAGE_SIZE", str(2**31 - 1))
+    # HAProxy's files in a directory of this stack's: two stacks on one machine must not share
+    # them. Short, because HAProxy's socket path (under a node-id folder) has 97 bytes at most.
+    haproxy = Path(tempfile.mkdtemp(prefix="srh-"))
+    (workdir / "haproxy").symlink_to(haproxy)
+    env.setdefault("RAY_SERVE_HAPROXY_CONFIG_FILE_LOC", str(haproxy / "haproxy.cfg"))
+    env.setdefault("RAY_SERVE_HAPROXY_SOCKET_PATH", str(haproxy / "admin.sock"))
+    env.setdefault("RAY_SERVE_HAPROXY_SERVER_STATE_BASE", str(haproxy))
+    env.setdefault("RAY_SERVE_HAPROXY_SERVER_STATE_FILE", str(haproxy / "server-state"))
     ray = Path(sys.executable).with_name("ray")
     cmd = [
         str(ray), "start", "--head", "--block", "--disable-usage-stats",
@@ -196,11 +243,12 @@ def start_ray(settings: Settings, workdir: Path) -> subprocess.Popen[bytes]:
         f"--temp-dir={workdir / 'ray'}",
         "--object-store-memory=4000000000",
     ]
-    say(f"starting Ray (GCS {settings.gcs_port}, dashboard {settings.dashboard_port}), "
-        f"log: {workdir / 'ray.log'}")
     with open(workdir / "ray.log", "ab") as log:
-        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
+        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                   preexec_fn=_die_with_stack)
+    say(f"starting Ray (pid {process.pid}, GCS {settings.gcs_port}, dashboard "
+        f"{settings.dashboard_port}), log: {workdir / 'ray.log'}")
+    return process
 
 
 def _http(method: str, url: str, body: dict[str, Any] | None = None,
@@ -317,11 +365,14 @@ class LocalStack:
         if self.ray is not None and self.ray.poll() is None:
             _terminate_group(self.ray, grace_s=20)
         self.triton.stop()
+        haproxy = self.workdir / "haproxy"
+        if haproxy.is_symlink():
+            shutil.rmtree(haproxy.resolve(), ignore_errors=True)
         say("stopped")
 
 
-def _die_with_parent() -> None:
-    """`make local` killed by SIGTERM does not pass the signal on; have the kernel send it."""
+def _set_parent_death_signal() -> None:
+    """Has the kernel send SIGTERM when the parent dies (Linux)."""
     try:
         import ctypes
 
@@ -333,13 +384,16 @@ def _die_with_parent() -> None:
 
 
 def main() -> int:
-    _die_with_parent()
+    # `make local` killed by SIGTERM does not pass the signal on: the kernel does.
+    _set_parent_death_signal()
     settings = Settings.from_env()
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: Any) -> None:
+        if stop.is_set():
+            return  # already stopping: a second signal must not cut the cleanup short
         stop.set()
-        # A second Ctrl-C while starting up must not be swallowed by a wait loop.
+        # Interrupts whatever wait the stack is in, startup included.
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGINT, on_signal)

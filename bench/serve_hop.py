@@ -1,0 +1,281 @@
+"""`make bench`: what the hop through Ray Serve costs, against Triton directly, in one run.
+
+For each ingress mode asked for, starts the local stack (real Triton, real Serve), then for
+every request size and concurrency alternates direct-Triton and through-Serve measurements with
+the same client (tritonclient.grpc.aio), repeated so that machine noise cancels. Prints a table
+(req/s, p50, p99, ratio to direct), the CPU seconds per 1000 requests spent by Ray's processes
+and by Triton, writes the figures as JSON and a PNG plot, and stops everything it started.
+
+    python -m bench.serve_hop [--modes default classic ...] [--seconds 3] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import statistics
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import tritonclient.grpc as tc
+import tritonclient.grpc.aio as tc_aio
+
+from tests.local_stack_process import (
+    EXAMPLE_MODELS,
+    TEST_MODELS,
+    StackProcess,
+    merged_model_repository,
+    stack_ports_env,
+)
+
+RESULTS = Path(__file__).resolve().parent.parent / "bench-results"
+MIB = 1 << 20
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+# Ray environment per ingress mode; "default" is what serve/ray-env.env sets.
+MODES: dict[str, dict[str, str]] = {
+    "default": {},
+    "classic": {"RAY_SERVE_PROXY_USE_GRPC": "0", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
+                "RAY_SERVE_ENABLE_HA_PROXY": "0", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "0"},
+    "classic-grpc": {"RAY_SERVE_PROXY_USE_GRPC": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
+                     "RAY_SERVE_ENABLE_HA_PROXY": "0", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "0"},
+    "haproxy": {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "0"},
+    "haproxy-throughput": {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"},
+    "haproxy-throughput-tuned": {
+        "RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+        "RAY_SERVE_HAPROXY_TUNE_BUFSIZE": "262144", "RAY_SERVE_HAPROXY_H2_MAX_FRAME_SIZE": "262144",
+        "RAY_SERVE_HAPROXY_H2_FE_INITIAL_WINDOW_SIZE": "262144",
+        "RAY_SERVE_HAPROXY_H2_BE_INITIAL_WINDOW_SIZE": "262144"},
+    "direct-throughput": {"RAY_SERVE_ENABLE_HA_PROXY": "0", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"},
+}
+SIZES = {"small": 0, "1MiB": MIB, "16MiB": 16 * MIB}
+
+
+@dataclass
+class Cell:
+    mode: str
+    size: str
+    concurrency: int
+    path: str  # "direct" or "serve"
+    rps: float
+    p50_ms: float
+    p99_ms: float
+    errors: int
+    ray_cpu_s_per_1k: float
+    triton_cpu_s_per_1k: float
+
+
+def _inputs(size: str) -> tuple[str, Callable[[], list[tc.InferInput]]]:
+    if SIZES[size] == 0:
+        data = np.arange(16, dtype=np.int32).reshape(1, 16)
+
+        def small() -> list[tc.InferInput]:
+            inputs = [tc.InferInput("INPUT0", [1, 16], "INT32"),
+                      tc.InferInput("INPUT1", [1, 16], "INT32")]
+            inputs[0].set_data_from_numpy(data)
+            inputs[1].set_data_from_numpy(data)
+            return inputs
+
+        return "simple", small
+    tensor = np.ones(SIZES[size] // 4, dtype=np.float32)
+
+    def large() -> list[tc.InferInput]:
+        one = tc.InferInput("INPUT", [tensor.size], "FP32")
+        one.set_data_from_numpy(tensor)
+        return [one]
+
+    return "identity_fp32", large
+
+
+def _session_cpu_s(sid: int) -> float:
+    """CPU seconds (user + system) of the live processes of one session."""
+    total = 0
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid:  # field 6 of stat: session id
+            total += int(fields[11]) + int(fields[12])
+    return total / CLK_TCK
+
+
+async def _measure(url: str, size: str, concurrency: int, seconds: float,
+                   ) -> tuple[int, list[float], int]:
+    model, make_inputs = _inputs(size)
+    options = [("grpc.max_send_message_length", 1 << 30),
+               ("grpc.max_receive_message_length", 1 << 30)]
+    client = tc_aio.InferenceServerClient(url, channel_args=options)
+    latencies: list[float] = []
+    errors = 0
+    inputs = make_inputs()
+    deadline = time.monotonic() + seconds
+
+    async def worker() -> None:
+        nonlocal errors
+        while time.monotonic() < deadline:
+            started = time.perf_counter()
+            try:
+                await client.infer(model, inputs, client_timeout=60)
+                latencies.append(time.perf_counter() - started)
+            except Exception:
+                errors += 1
+
+    try:
+        await client.infer(model, inputs, client_timeout=60)  # warm the channel
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    finally:
+        await client.close()
+    return len(latencies), latencies, errors
+
+
+def run_mode(mode: str, sizes: list[str], concurrencies: list[int], seconds: float,
+             repeats: int) -> list[Cell]:
+    repo = merged_model_repository([EXAMPLE_MODELS, TEST_MODELS])
+    ports = stack_ports_env()
+    env = {**ports, "MODEL_REPOSITORY": str(repo), **MODES[mode]}
+    grpc_port, t_grpc = ports["GRPC_PORT"], ports["TRITON_GRPC_PORT"]
+    dash = int(ports["RAY_DASHBOARD_PORT"])
+    stack = StackProcess(env)
+    cells: list[Cell] = []
+    try:
+        stack.wait_for_line(r"\bready\b", timeout_s=420)
+        ray_sid = int(re.search(r"starting Ray \(pid (\d+)",
+                                "\n".join(stack.lines)).group(1))  # type: ignore[union-attr]
+        triton_sid = stack.triton_pid()
+        urls = {"direct": f"localhost:{t_grpc}", "serve": f"localhost:{grpc_port}"}
+        replica = _replica_grpc_port(dash)
+        if replica:
+            urls["replica"] = f"localhost:{replica}"
+        for size in sizes:
+            for concurrency in concurrencies:
+                samples: dict[str, list[tuple[float, list[float], int, float, float]]] = {
+                    path: [] for path in urls}
+                for _ in range(repeats):
+                    for path, url in urls.items():
+                        ray0, tri0 = _session_cpu_s(ray_sid), _session_cpu_s(triton_sid)
+                        started = time.monotonic()
+                        count, latencies, errors = asyncio.run(
+                            _measure(url, size, concurrency, seconds))
+                        elapsed = time.monotonic() - started
+                        ray_cpu = _session_cpu_s(ray_sid) - ray0
+                        tri_cpu = _session_cpu_s(triton_sid) - tri0
+                        samples[path].append((count / elapsed, latencies, errors,
+                                              ray_cpu, tri_cpu))
+                for path, runs in samples.items():
+                    latencies = sorted(x for run in runs for x in run[1]) or [float("nan")]
+                    done = sum(len(run[1]) for run in runs) or 1
+                    cells.append(Cell(
+                        mode=mode, size=size, concurrency=concurrency, path=path,
+                        rps=statistics.median(run[0] for run in runs),
+                        p50_ms=1000 * latencies[len(latencies) // 2],
+                        p99_ms=1000 * latencies[min(len(latencies) - 1, int(len(latencies) * .99))],
+                        errors=sum(run[2] for run in runs),
+                        ray_cpu_s_per_1k=1000 * sum(run[3] for run in runs) / done,
+                        triton_cpu_s_per_1k=1000 * sum(run[4] for run in runs) / done,
+                    ))
+                latest = {c.path: c for c in cells[-len(urls):]}
+                print(f"  {mode:24} {size:6} c={concurrency:<3} " + " ".join(
+                    f"{path} {c.rps:8.1f} req/s ({c.rps / latest['direct'].rps:4.2f})"
+                    for path, c in latest.items()), flush=True)
+    finally:
+        stack.stop()
+    return cells
+
+
+def _replica_grpc_port(dashboard_port: int) -> int | None:
+    """A replica's own gRPC port in direct-ingress modes (Serve's target groups)."""
+    url = f"http://127.0.0.1:{dashboard_port}/api/serve/applications/"
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            details = json.load(response)
+    except OSError:
+        return None
+    for group in details.get("target_groups") or []:
+        if str(group.get("protocol", "")).lower().endswith("grpc"):
+            for target in group.get("targets") or []:
+                port = target.get("port")
+                if port:
+                    return int(port)
+    return None
+
+
+def table(cells: list[Cell]) -> str:
+    direct = {(c.mode, c.size, c.concurrency): c for c in cells if c.path == "direct"}
+    lines = ["| mode | size | conc | direct req/s | serve req/s | ratio | direct p50/p99 ms | "
+             "serve p50/p99 ms | added p50 ms | Ray CPU s/1k | Triton CPU s/1k | errors |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for c in cells:
+        if c.path == "direct":
+            continue
+        d = direct[(c.mode, c.size, c.concurrency)]
+        lines.append(
+            f"| {c.mode}{'' if c.path == 'serve' else ' (' + c.path + ' port)'} | {c.size} | "
+            f"{c.concurrency} | {d.rps:.0f} | {c.rps:.0f} | "
+            f"{c.rps / d.rps:.2f} | {d.p50_ms:.2f}/{d.p99_ms:.1f} | {c.p50_ms:.2f}/{c.p99_ms:.1f} | "
+            f"{c.p50_ms - d.p50_ms:.2f} | {c.ray_cpu_s_per_1k:.2f} | {c.triton_cpu_s_per_1k:.2f} | "
+            f"{c.errors + d.errors} |")
+    return "\n".join(lines)
+
+
+def plot(cells: list[Cell], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    direct = {(c.mode, c.size, c.concurrency): c.rps for c in cells if c.path == "direct"}
+    serve = [c for c in cells if c.path == "serve"]
+    modes = sorted({c.mode for c in serve})
+    labels = sorted({(c.size, c.concurrency) for c in serve},
+                    key=lambda k: (SIZES[k[0]], k[1]))
+    fig, ax = plt.subplots(figsize=(max(6, len(labels) * 1.1), 4))
+    width = 0.8 / max(1, len(modes))
+    for i, mode in enumerate(modes):
+        ratios = [next((c.rps / direct[(mode, s, k)] for c in serve
+                        if (c.mode, c.size, c.concurrency) == (mode, s, k)), 0) for s, k in labels]
+        ax.bar([x + i * width for x in range(len(labels))], ratios, width, label=mode)
+    ax.axhline(0.5, color="grey", linestyle=":", label="target small c8 (0.5x)")
+    ax.axhline(0.8, color="black", linestyle="--", label="target 1MiB c8 (0.8x)")
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(labels))])
+    ax.set_xticklabels([f"{s}\nc={k}" for s, k in labels])
+    ax.set_ylabel("through Serve / direct Triton (req/s)")
+    ax.set_title("Cost of the Ray Serve hop (same run, same client)")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--modes", nargs="+", default=["default"], choices=sorted(MODES))
+    parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 8, 32])
+    parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    cells: list[Cell] = []
+    for mode in args.modes:
+        print(f"mode {mode}: starting the stack", flush=True)
+        cells += run_mode(mode, args.sizes, args.concurrency, args.seconds, args.repeats)
+    RESULTS.mkdir(exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    (RESULTS / f"bench-{stamp}.json").write_text(json.dumps(
+        {"argv": vars(args), "cells": [asdict(c) for c in cells]}, indent=1))
+    plot(cells, RESULTS / f"bench-{stamp}.png")
+    print(table(cells))
+    print(f"figures: {RESULTS / f'bench-{stamp}.json'}, plot: {RESULTS / f'bench-{stamp}.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
