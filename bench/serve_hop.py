@@ -48,6 +48,7 @@ MODES: dict[str, dict[str, str]] = {
                      "RAY_SERVE_ENABLE_HA_PROXY": "0", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "0"},
     "haproxy": {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "0"},
     "haproxy-throughput": {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"},
+    # components/haproxy-ingress
     "haproxy-throughput-tuned": {
         "RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
         "RAY_SERVE_HAPROXY_TUNE_BUFSIZE": "262144", "RAY_SERVE_HAPROXY_H2_MAX_FRAME_SIZE": "262144",
@@ -125,7 +126,7 @@ async def _measure(url: str, size: str, concurrency: int, seconds: float,
         while time.monotonic() < deadline:
             started = time.perf_counter()
             try:
-                await client.infer(model, inputs, client_timeout=60)
+                await client.infer(model, inputs, client_timeout=30)
                 latencies.append(time.perf_counter() - started)
             except Exception:
                 errors += 1
@@ -133,6 +134,8 @@ async def _measure(url: str, size: str, concurrency: int, seconds: float,
     try:
         await client.infer(model, inputs, client_timeout=60)  # warm the channel
         await asyncio.gather(*(worker() for _ in range(concurrency)))
+    except Exception:  # noqa: BLE001 - a path that fails even its first call
+        errors += 1
     finally:
         await client.close()
     return len(latencies), latencies, errors

@@ -256,3 +256,15 @@ def test_triton_prestop_runs_and_waits_while_serve_grpc_listens() -> None:
     started = time.monotonic()
     subprocess.run(command, check=True, timeout=40)
     assert time.monotonic() - started < 1.5
+
+
+def test_haproxy_ingress_component_sets_the_ray_environment() -> None:
+    built = objects(build(ROOT / "tests" / "fixtures" / "components" / "all-optional"))
+    (env,) = [o for o in built if o["kind"] == "ConfigMap" and o["metadata"]["name"].startswith("ray-env-")]
+    assert env["data"]["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
+    assert env["data"]["RAY_SERVE_PROXY_USE_GRPC"] == "1"  # the base's entries stay
+    cluster = rayservice(yaml.safe_dump_all(built))["spec"]["rayClusterConfig"]
+    refs = [c["envFrom"][0]["configMapRef"]["name"]
+            for g in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+            for c in g["template"]["spec"]["containers"] if "envFrom" in c and c["name"] != "triton"]
+    assert refs == [env["metadata"]["name"]] * 2
