@@ -161,8 +161,18 @@ def extract(rayservice: dict[str, Any]) -> Facts:
     for group_path, group in templates:
         pod = ((group.get("template") or {}).get("spec")) or {}
         containers = pod.get("containers") or []
+        pod_security = pod.get("securityContext") or {}
         for container in containers + (pod.get("initContainers") or []):
             where = f"{group_path}.template.spec.containers[{container.get('name')}]"
+            security = container.get("securityContext") or {}
+            seccomp = (security.get("seccompProfile") or pod_security.get("seccompProfile") or {})
+            facts.append("containerHardening", {
+                "runAsNonRoot": security.get("runAsNonRoot", pod_security.get("runAsNonRoot")),
+                "allowPrivilegeEscalation": security.get("allowPrivilegeEscalation"),
+                "privileged": security.get("privileged", False),
+                "capabilitiesDropped": (security.get("capabilities") or {}).get("drop") or [],
+                "seccomp": seccomp.get("type"),
+            }, f"{where}.securityContext")
             image = str(container.get("image"))
             facts.append("images", image, f"{where}.image")
             if "ray" in image.rsplit("/", 1)[-1].split(":")[0] and not _is_triton(container):
@@ -197,6 +207,9 @@ def extract(rayservice: dict[str, Any]) -> Facts:
                 return _int(given[-1]) if given else TRITON_DEFAULTS[name]
 
             facts.append("tritonFlags", argv, f"{where}.args")
+            restricted = [group for value in found.get("grpc-restricted-protocol", [])
+                          for group in value.partition(":")[0].split(",")]
+            facts.append("tritonRestrictedGrpc", sorted(restricted), f"{where}.command")
             facts.append("graceMinusTritonExitTimeout", _diff(grace, flag("exit-timeout-secs")),
                          f"{group_path}.template.spec.terminationGracePeriodSeconds")
             facts.append("forwarderTargetMinusTritonGrpcPort",

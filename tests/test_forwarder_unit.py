@@ -5,6 +5,8 @@ Serve's proxy context does not carry. Everything else runs against the real Trit
 from __future__ import annotations
 
 import asyncio
+import os
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -187,3 +189,91 @@ def test_servicer_hands_the_client_deadline_to_the_replica() -> None:
         assert TIMEOUT_KEY not in no_deadline
 
     asyncio.run(scenario())
+
+
+def test_bearer_tokens_let_in_only_their_holders(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text("# one token a line\ns3cret-analysis-token\n\nsecond-token\n")
+    monkeypatch.setenv("SONIC_RAY_AUTH_TOKENS_FILE", str(tokens))
+
+    async def scenario() -> None:
+        seen: list[Any] = []
+        server, port = await _fake_triton(seen)
+        try:
+            forwarder = await started_forwarder(ForwarderArgs(triton_address=f"127.0.0.1:{port}"))
+            for presented in ([], [("authorization", "Bearer wrong")],
+                              [("authorization", "s3cret-analysis-token")]):
+                denied = FakeContext(list(presented))
+                await forwarder.forward_unary(BY_NAME["ModelInfer"], b"x", denied)
+                assert denied.code == grpc.StatusCode.UNAUTHENTICATED
+                assert "bearer token" in denied.details
+            assert seen == []  # nothing unauthenticated reached Triton
+            ok = FakeContext([("authorization", "Bearer second-token"), ("x-job", "1")])
+            reply = await forwarder.forward_unary(BY_NAME["ModelInfer"], b"x", ok)
+            assert (ok.code, reply.SerializeToString()) == (None, b"reply:x")
+            assert "authorization" not in seen[-1][1] and seen[-1][1]["x-job"] == "1"
+            # A rotated Secret takes effect without a restart.
+            tokens.write_text("rotated-token\n")
+            os.utime(tokens, (time.time() + 10, time.time() + 10))
+            monkeypatch.setattr("triton_forwarder.access._RECHECK_S", 0.0)
+            old = FakeContext([("authorization", "Bearer second-token")])
+            await forwarder.forward_unary(BY_NAME["ModelInfer"], b"x", old)
+            assert old.code == grpc.StatusCode.UNAUTHENTICATED
+        finally:
+            await server.stop(None)
+
+    asyncio.run(scenario())
+    logged = caplog.text + "".join(str(r.args) for r in caplog.records)
+    assert "s3cret-analysis-token" not in logged and "second-token" not in logged
+
+
+def test_token_auth_without_a_readable_file_refuses_to_start(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SONIC_RAY_AUTH_TOKENS_FILE", str(tmp_path / "missing"))
+
+    async def scenario() -> None:
+        with pytest.raises(RuntimeError, match="cannot be read"):
+            await started_forwarder(ForwarderArgs(triton_address="127.0.0.1:9"))
+
+    asyncio.run(scenario())
+
+
+def test_allowed_admin_rpc_carries_the_admin_key_and_clients_cannot_forge_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("SONIC_RAY_ADMIN_KEY", "pod-uid-1234")
+    seen_headers: list[dict[str, Any]] = []
+
+    async def scenario() -> None:
+        async def load(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            seen_headers.append(dict(context.invocation_metadata()))
+            return b""
+
+        async def ready(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            return READY
+
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+            "inference.GRPCInferenceService", {
+                "ServerReady": grpc.unary_unary_rpc_method_handler(ready),
+                "RepositoryModelLoad": grpc.unary_unary_rpc_method_handler(load),
+                "ModelInfer": grpc.unary_unary_rpc_method_handler(load),
+            }),))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            forwarder = await started_forwarder(ForwarderArgs(
+                triton_address=f"127.0.0.1:{port}", allowed_admin_rpcs=["RepositoryModelLoad"]))
+            forged = [("sonic-ray-admin", "guessed")]
+            await forwarder.forward_unary(BY_NAME["RepositoryModelLoad"], b"", FakeContext(forged))
+            await forwarder.forward_unary(BY_NAME["ModelInfer"], b"", FakeContext(forged))
+        finally:
+            await server.stop(None)
+
+    asyncio.run(scenario())
+    admin, infer = seen_headers
+    assert admin["sonic-ray-admin"] == "pod-uid-1234"
+    assert "sonic-ray-admin" not in infer

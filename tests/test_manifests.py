@@ -64,7 +64,7 @@ def test_forwarder_code_is_mounted_from_a_generated_configmap() -> None:
     built = objects(build(ROOT / "overlays" / "purdue-af"))
     (code,) = [o for o in built if o["kind"] == "ConfigMap"
                and o["metadata"]["name"].startswith("triton-forwarder-")]
-    for module in ("__init__.py", "rpcs.py", "servicer.py", "deployment.py"):
+    for module in ("__init__.py", "access.py", "rpcs.py", "servicer.py", "deployment.py"):
         assert code["data"][module] == (ROOT / "serve" / "triton_forwarder" / module).read_text()
     cluster = rayservice(yaml.safe_dump_all(built))["spec"]["rayClusterConfig"]
     for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:

@@ -13,6 +13,7 @@ import grpc
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ray import serve
 
+from .access import ADMIN_HEADER, AUTHORIZATION, TokenCheck, admin_key
 from .rpcs import BY_NAME, REFUSABLE, RPCS, Rpc, refusal_message
 from .servicer import TIMEOUT_KEY
 
@@ -23,8 +24,11 @@ MAX_MESSAGE_BYTES = 2**31 - 1
 
 # Metadata that belongs to a hop, not to the call: Serve's routing keys and the deadline key.
 _HOP_METADATA = frozenset(
-    {"application", "request_id", "multiplexed_model_id", "session_id", TIMEOUT_KEY}
+    {"application", "request_id", "multiplexed_model_id", "session_id", TIMEOUT_KEY,
+     # Never passed on: the client's credentials, and a key only the forwarder may send.
+     AUTHORIZATION, ADMIN_HEADER}
 )
+_UNAUTHENTICATED = "missing or invalid bearer token (send `authorization: Bearer <token>`)"
 
 
 class ForwarderArgs(BaseModel):
@@ -60,7 +64,7 @@ class ForwarderArgs(BaseModel):
 
 
 class CallContext(Protocol):
-    """What the forwarder uses of Serve's CallContext."""
+    """What the forwarder uses of Serve's RayServegRPCContext."""
 
     def invocation_metadata(self) -> Any: ...
     def set_code(self, code: Any) -> None: ...
@@ -123,6 +127,8 @@ class TritonForwarder:
             rpc.name: self._channel.stream_stream(rpc.path) for rpc in RPCS if rpc.streaming
         }
         self._allowed = frozenset(args.allowed_admin_rpcs)
+        self._tokens = TokenCheck.from_env()
+        self._admin_key = admin_key()
         await self._wait_for_triton()
 
     async def _wait_for_triton(self) -> None:
@@ -167,6 +173,10 @@ class TritonForwarder:
     def _refused(self, rpc: Rpc, context: CallContext) -> bool:
         # The status goes on the context rather than in an exception: Serve logs a stack
         # trace for every exception, and a refusal is an answer, not a fault.
+        if self._tokens is not None and not self._tokens.allows(context.invocation_metadata()):
+            context.set_code(grpc.StatusCode.UNAUTHENTICATED)
+            context.set_details(_UNAUTHENTICATED)
+            return True
         if rpc.refusal and rpc.name not in self._allowed:
             context.set_code(grpc.StatusCode.PERMISSION_DENIED)
             context.set_details(refusal_message(rpc))
@@ -179,6 +189,8 @@ class TritonForwarder:
         if self._refused(rpc, context):
             return RawMessage(b"")
         metadata, timeout = _forwarded_metadata(context)
+        if rpc.refusal and self._admin_key:
+            metadata.append((ADMIN_HEADER, self._admin_key))
         call = self._unary[rpc.name](request, metadata=metadata, timeout=timeout)
         try:
             reply = await call

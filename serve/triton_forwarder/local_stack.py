@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import shlex
 import shutil
 import signal
@@ -30,6 +31,7 @@ import grpc
 import yaml
 
 from . import triton_binary
+from .access import ADMIN_KEY_ENV
 from .rpcs import SERVICE
 
 SERVE_DIR = Path(__file__).resolve().parent.parent
@@ -120,8 +122,9 @@ def local_serve_config(settings: Settings) -> dict[str, Any]:
 class TritonSupervisor:
     """Runs Triton and restarts it with backoff when it exits, as the kubelet would."""
 
-    def __init__(self, settings: Settings, workdir: Path) -> None:
+    def __init__(self, settings: Settings, workdir: Path, admin_key: str) -> None:
         self._settings = settings
+        self._admin_key = admin_key
         self._backends = triton_binary.prepare_backends(workdir / "backends")
         self.log_path = workdir / "triton.log"
         self._stopping = threading.Event()
@@ -134,7 +137,7 @@ class TritonSupervisor:
     def _spawn(self) -> subprocess.Popen[bytes]:
         cmd = triton_binary.command(
             self._settings.model_repository, self._backends, self._settings.triton,
-            self._settings.triton_args,
+            self._admin_key, self._settings.triton_args,
         )
         with open(self.log_path, "ab") as log:
             process = subprocess.Popen(
@@ -218,9 +221,9 @@ def ray_env_defaults() -> dict[str, str]:
     return defaults
 
 
-def start_ray(settings: Settings, workdir: Path) -> subprocess.Popen[bytes]:
+def start_ray(settings: Settings, workdir: Path, admin_key: str) -> subprocess.Popen[bytes]:
     # What the caller's environment sets wins (make bench compares modes that way).
-    env = {**ray_env_defaults(), **os.environ}
+    env = {**ray_env_defaults(), **os.environ, ADMIN_KEY_ENV: admin_key}
     env["PYTHONPATH"] = os.pathsep.join(
         part for part in (str(SERVE_DIR), env.get("PYTHONPATH", "")) if part
     )
@@ -291,7 +294,9 @@ class LocalStack:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.workdir = Path(tempfile.mkdtemp(prefix="sonic-ray-"))
-        self.triton = TritonSupervisor(settings, self.workdir)
+        # Opens Triton's restricted RPCs; only Triton and the forwarder ever see it.
+        self.admin_key = secrets.token_hex(16)
+        self.triton = TritonSupervisor(settings, self.workdir, self.admin_key)
         self.ray: subprocess.Popen[bytes] | None = None
 
     def _ray_alive(self) -> None:
@@ -303,7 +308,7 @@ class LocalStack:
         s = self.settings
         say(f"model repository: {s.model_repository}")
         self.triton.start()
-        self.ray = start_ray(s, self.workdir)
+        self.ray = start_ray(s, self.workdir, self.admin_key)
         dashboard = f"http://127.0.0.1:{s.dashboard_port}"
 
         def dashboard_up() -> Any:

@@ -50,7 +50,12 @@ def prepare_backends(into: Path) -> Path:
     return into
 
 
-def command(model_repository: Path, backends: Path, ports: TritonPorts,
+# Triton refuses these RPC groups unless the request carries the admin header with the key:
+# defence in depth behind the forwarder's own refusals (serve/triton_forwarder/access.py).
+RESTRICTED = "model-repository,shared-memory,trace,logging"
+
+
+def command(model_repository: Path, backends: Path, ports: TritonPorts, admin_key: str,
             extra_args: tuple[str, ...] = ()) -> list[str]:
     binary = _wheel_root() / "tritonserver" / "bin" / "tritonserver"
     return [
@@ -61,6 +66,8 @@ def command(model_repository: Path, backends: Path, ports: TritonPorts,
         f"--grpc-port={ports.grpc}",
         f"--metrics-port={ports.metrics}",
         "--exit-timeout-secs=10",
+        f"--grpc-restricted-protocol={RESTRICTED}:sonic-ray-admin={admin_key}",
+        f"--http-restricted-api={RESTRICTED}:sonic-ray-admin={admin_key}",
         *extra_args,
     ]
 

@@ -1,0 +1,81 @@
+"""Who may call through the forwarder, and the key that opens Triton's restricted RPCs.
+
+Bearer tokens (optional, components/token-auth): when SONIC_RAY_AUTH_TOKENS_FILE names a file,
+every call must carry `authorization: Bearer <token>` with one of its tokens (one a line); the
+file is re-read when it changes, so a rotated Secret takes effect without a restart. Tokens are
+never logged and never passed on to Triton.
+
+Triton's restricted protocols (defence in depth): Triton refuses repository, shared-memory,
+trace and logging RPCs unless the `sonic-ray-admin` header carries SONIC_RAY_ADMIN_KEY (the pod's
+UID on the cluster, a random key under `make local`); only the forwarder knows it, and it sends
+it only for the admin RPCs an operator allowed.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+import time
+from pathlib import Path
+
+TOKENS_FILE_ENV = "SONIC_RAY_AUTH_TOKENS_FILE"
+ADMIN_KEY_ENV = "SONIC_RAY_ADMIN_KEY"
+ADMIN_HEADER = "sonic-ray-admin"
+AUTHORIZATION = "authorization"
+_RECHECK_S = 5.0
+
+
+class TokenCheck:
+    """Bearer-token check against a mounted file; `None` from `from_env` when auth is off."""
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        self._tokens: tuple[bytes, ...] = ()
+        self._mtime = -1.0
+        self._checked = 0.0
+        self._load()
+
+    @classmethod
+    def from_env(cls) -> TokenCheck | None:
+        path = os.environ.get(TOKENS_FILE_ENV, "")
+        return cls(Path(path)) if path else None
+
+    def _load(self) -> None:
+        try:
+            mtime = self._path.stat().st_mtime
+            if mtime == self._mtime:
+                return
+            lines = self._path.read_text().splitlines()
+        except OSError as error:
+            raise RuntimeError(
+                f"{TOKENS_FILE_ENV}={self._path} cannot be read ({error.strerror}): "
+                "token authentication is on, so no call could be let in"
+            ) from None
+        tokens = tuple(line.strip().encode() for line in lines
+                       if line.strip() and not line.strip().startswith("#"))
+        if not tokens:
+            raise RuntimeError(f"{TOKENS_FILE_ENV}={self._path} holds no token")
+        self._tokens, self._mtime = tokens, mtime
+
+    def allows(self, metadata: list[tuple[str, object]]) -> bool:
+        now = time.monotonic()
+        if now - self._checked > _RECHECK_S:
+            self._checked = now
+            self._load()
+        presented = b""
+        for key, value in metadata:
+            if key == AUTHORIZATION and isinstance(value, str):
+                scheme, _, credential = value.partition(" ")
+                if scheme.lower() == "bearer":
+                    presented = credential.strip().encode()
+        if not presented:
+            return False
+        # Compare with every token, in constant time, so that timing tells nothing.
+        matched = False
+        for known in self._tokens:
+            matched |= hmac.compare_digest(presented, known)
+        return matched
+
+
+def admin_key() -> str:
+    return os.environ.get(ADMIN_KEY_ENV, "")
