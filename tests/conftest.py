@@ -20,6 +20,8 @@ from tests.local_stack_process import (
     stack_ports_env,
 )
 
+MESSAGE_LIMIT = 300 << 20
+
 
 @dataclass
 class Stack:
@@ -48,6 +50,9 @@ def stack() -> Iterator[Stack]:
             **ports,
             "MODEL_REPOSITORY": str(repo),
             "TRITON_ARGS": "--grpc-header-forward-pattern=x-sonic-.*",
+            # A size limit that a test can exceed without sending 2 GiB (see test_faults.py).
+            "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE": str(MESSAGE_LIMIT),
+            "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(MESSAGE_LIMIT),
         }
     )
     try:

@@ -1,0 +1,181 @@
+"""Bad input and broken parts end every call with a clear status, never a hang: malformed and
+random requests, oversized messages, a client cancelling a stream, a Serve replica killed under
+load; and Triton's own port refuses admin RPCs without the forwarder's key."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import queue
+import re
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+import tritonclient.grpc as tc
+import tritonclient.grpc.aio as tc_aio
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tritonclient.grpc import service_pb2
+from tritonclient.utils import InferenceServerException
+
+from tests.conftest import MESSAGE_LIMIT, Stack
+
+INFER = "/inference.GRPCInferenceService/ModelInfer"
+
+
+def _raw_call(url: str, payload: bytes) -> tuple[Any, str]:
+    with grpc.insecure_channel(url, options=[("grpc.max_send_message_length", -1)]) as channel:
+        try:
+            channel.unary_unary(INFER)(payload, timeout=30)
+            return grpc.StatusCode.OK, ""
+        except grpc.RpcError as error:
+            return error.code(), error.details()
+
+
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(payload=st.binary(max_size=512))
+def test_random_bytes_get_tritons_own_answer(stack: Stack, payload: bytes) -> None:
+    assert _raw_call(stack.serve_url, payload) == _raw_call(stack.triton_url, payload)
+
+
+request_strategy = st.builds(
+    service_pb2.ModelInferRequest,
+    model_name=st.sampled_from(["simple", "identity_fp32", "repeat_int32", "nope", ""]),
+    model_version=st.sampled_from(["", "1", "7"]),
+    id=st.text(max_size=8),
+    inputs=st.lists(st.builds(
+        service_pb2.ModelInferRequest.InferInputTensor,
+        name=st.sampled_from(["INPUT0", "INPUT1", "INPUT", "X"]),
+        datatype=st.sampled_from(["INT32", "FP32", "BYTES", "BOOGUS"]),
+        shape=st.lists(st.integers(-2, 20), max_size=3),
+    ), max_size=3),
+)
+
+
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(request=request_strategy)
+def test_random_infer_requests_get_tritons_own_answer(
+    stack: Stack, request: service_pb2.ModelInferRequest
+) -> None:
+    payload = request.SerializeToString()
+    through, direct = _raw_call(stack.serve_url, payload), _raw_call(stack.triton_url, payload)
+    assert through == direct
+
+
+def test_stack_still_serves_after_the_fuzzing(stack: Stack) -> None:
+    assert tc.InferenceServerClient(stack.serve_url).is_model_ready("simple")
+
+
+def test_request_over_the_size_limit_is_refused_clearly(stack: Stack) -> None:
+    data = np.zeros((MESSAGE_LIMIT + (8 << 20)) // 4, dtype=np.float32)
+    tensor = tc.InferInput("INPUT", [data.size], "FP32")
+    tensor.set_data_from_numpy(data)
+    started = time.monotonic()
+    with pytest.raises(InferenceServerException) as caught:
+        tc.InferenceServerClient(stack.serve_url).infer("identity_fp32", [tensor],
+                                                        client_timeout=120)
+    assert caught.value.status() == "StatusCode.RESOURCE_EXHAUSTED"
+    assert re.search(r"larger than max \(\d+ vs\. \d+\)", caught.value.message())
+    assert time.monotonic() - started < 60
+
+
+def test_triton_port_refuses_admin_rpcs_without_the_forwarders_key(stack: Stack) -> None:
+    client = tc.InferenceServerClient(stack.triton_url)
+    calls: list[Callable[[], Any]] = [
+        lambda: client.unload_model("simple"),
+        lambda: client.load_model("simple"),
+        lambda: client.register_system_shared_memory("r", "/k", 64),
+    ]
+    for call in calls:
+        with pytest.raises(InferenceServerException) as caught:
+            call()
+        assert "restricted" in caught.value.message().lower()
+    assert client.is_model_ready("simple")
+
+
+def test_client_cancelling_a_stream_cancels_it_in_triton(stack: Stack) -> None:
+    responses: queue.Queue[Any] = queue.Queue()
+    client = tc.InferenceServerClient(stack.serve_url)
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    count = tc.InferInput("COUNT", [1], "INT32")
+    count.set_data_from_numpy(np.array([300], dtype=np.int32))
+    client.async_stream_infer("stream_cancel", [count], request_id="cancel-1")
+    for _ in range(3):
+        _, error = responses.get(timeout=30)
+        assert error is None
+    client.stop_stream(cancel_requests=True)
+    marker = stack.model_repository / "stream_cancel" / "cancelled" / "cancel-1"
+    deadline = time.monotonic() + 15
+    while not marker.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert marker.exists(), "Triton kept streaming after the client cancelled"
+    assert int(marker.read_text()) < 100
+
+
+def _replica_pids() -> list[int]:
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                cmdline = (proc / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if cmdline.startswith(b"ray::ServeReplica:triton:TritonForwarder"):
+                pids.append(int(proc.name))
+    return pids
+
+
+@pytest.mark.disruptive
+def test_serve_replica_killed_under_load(stack: Stack) -> None:
+    """Every call ends within its deadline with an answer or a status; then Serve recovers."""
+    outcomes: list[tuple[str, float]] = []
+    a = np.ones((1, 16), dtype=np.int32)
+
+    async def load(seconds: float) -> None:
+        client = tc_aio.InferenceServerClient(stack.serve_url)
+        end = time.monotonic() + seconds
+
+        async def worker() -> None:
+            while time.monotonic() < end:
+                inputs = [tc.InferInput("INPUT0", [1, 16], "INT32"),
+                          tc.InferInput("INPUT1", [1, 16], "INT32")]
+                inputs[0].set_data_from_numpy(a)
+                inputs[1].set_data_from_numpy(a)
+                started = time.monotonic()
+                try:
+                    await client.infer("simple", inputs, client_timeout=10)
+                    outcomes.append(("OK", time.monotonic() - started))
+                except InferenceServerException as error:
+                    outcomes.append((str(error.status()), time.monotonic() - started))
+                    await asyncio.sleep(0.2)
+
+        try:
+            await asyncio.gather(*(worker() for _ in range(8)))
+        finally:
+            await client.close()
+
+    async def kill_then_load() -> None:
+        task = asyncio.ensure_future(load(40))
+        await asyncio.sleep(3)
+        (pid,) = _replica_pids()
+        os.kill(pid, signal.SIGKILL)
+        await task
+
+    asyncio.run(kill_then_load())
+    assert outcomes, "no call was made"
+    # Nothing hung: every call ended before its 10 s deadline (plus scheduling slack).
+    assert max(elapsed for _, elapsed in outcomes) < 12
+    assert {status for status, _ in outcomes} <= {
+        "OK", "StatusCode.UNAVAILABLE", "StatusCode.INTERNAL", "StatusCode.CANCELLED",
+        "StatusCode.DEADLINE_EXCEEDED"}
+    # Serve brought a replica back and calls succeed again by the end of the load.
+    assert outcomes[-1][0] == "OK" or any(s == "OK" for s, _ in outcomes[-20:])
+    assert len(_replica_pids()) == 1

@@ -1,0 +1,139 @@
+"""Serve's back-pressure and autoscaling with the forwarder, on a stack of their own: the local
+node advertises three `triton` resources and the Serve config has small limits and short
+delays (tests/fixtures/serve-config-scaling.yaml)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import time
+import urllib.request
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import tritonclient.grpc as tc
+import tritonclient.grpc.aio as tc_aio
+from tritonclient.utils import InferenceServerException
+
+from tests.local_stack_process import (
+    EXAMPLE_MODELS,
+    ROOT,
+    TEST_MODELS,
+    StackProcess,
+    merged_model_repository,
+    stack_ports_env,
+)
+
+
+@pytest.fixture(scope="module")
+def scaling_stack() -> Iterator[dict[str, str]]:
+    repo = merged_model_repository([EXAMPLE_MODELS, TEST_MODELS])
+    ports = stack_ports_env()
+    process = StackProcess({
+        **ports, "MODEL_REPOSITORY": str(repo), "TRITON_RESOURCES": "3",
+        "SERVE_CONFIG": str(ROOT / "tests" / "fixtures" / "serve-config-scaling.yaml"),
+    })
+    try:
+        process.wait_for_line(r"\bready\b", timeout_s=420)
+        yield ports
+    finally:
+        process.stop()
+        shutil.rmtree(repo, ignore_errors=True)
+
+
+def running_replicas(ports: dict[str, str]) -> int:
+    url = f"http://127.0.0.1:{ports['RAY_DASHBOARD_PORT']}/api/serve/applications/"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        details = json.load(response)
+    deployment = details["applications"]["triton"]["deployments"]["TritonForwarder"]
+    return sum(1 for r in deployment["replicas"] if r["state"] == "RUNNING")
+
+
+def _slow(seconds: float) -> list[tc.InferInput]:
+    tensor = tc.InferInput("SECONDS", [1], "FP32")
+    tensor.set_data_from_numpy(np.array([seconds], dtype=np.float32))
+    return [tensor]
+
+
+def test_overload_is_refused_quickly_not_queued_forever(scaling_stack: dict[str, str]) -> None:
+    url = f"localhost:{scaling_stack['GRPC_PORT']}"
+
+    async def burst() -> list[tuple[str, float]]:
+        client = tc_aio.InferenceServerClient(url)
+
+        async def one() -> tuple[str, float]:
+            started = time.monotonic()
+            try:
+                await client.infer("slow", _slow(3.0), client_timeout=60)
+                return "OK", time.monotonic() - started
+            except InferenceServerException as error:
+                return str(error.status()), time.monotonic() - started
+
+        try:
+            return await asyncio.gather(*(one() for _ in range(40)))
+        finally:
+            await client.close()
+
+    outcomes = asyncio.run(burst())
+    refused = [elapsed for status, elapsed in outcomes if status == "StatusCode.RESOURCE_EXHAUSTED"]
+    assert refused, outcomes
+    assert max(refused) < 3.0, "a refusal waited as long as a call: it was queued"
+    assert {status for status, _ in outcomes} <= {"OK", "StatusCode.RESOURCE_EXHAUSTED"}
+    assert any(status == "OK" for status, _ in outcomes)
+
+
+def test_replicas_follow_the_load_up_and_down_without_losing_a_call(
+    scaling_stack: dict[str, str]
+) -> None:
+    url = f"localhost:{scaling_stack['GRPC_PORT']}"
+    timeline: list[tuple[float, int]] = []
+    failures: list[str] = []
+    calls = 0
+
+    async def cycle() -> None:
+        nonlocal calls
+        client = tc_aio.InferenceServerClient(url)
+        start = time.monotonic()
+        stop_heavy = start + 25
+        stop_all = start + 75
+
+        async def worker(until: float) -> None:
+            nonlocal calls
+            while time.monotonic() < until:
+                calls += 1
+                try:
+                    await client.infer("slow", _slow(0.3), client_timeout=60)
+                except InferenceServerException as error:
+                    failures.append(f"{error.status()}: {error.message()}")
+
+        async def watch() -> None:
+            while time.monotonic() < stop_all:
+                replicas = await asyncio.to_thread(running_replicas, scaling_stack)
+                timeline.append((round(time.monotonic() - start, 1), replicas))
+                await asyncio.sleep(1)
+
+        try:
+            # Four callers drive three replicas up; one caller keeps calls in flight while
+            # the others stop and Serve drains replicas away.
+            await asyncio.gather(*(worker(stop_heavy) for _ in range(4)), worker(stop_all),
+                                 watch())
+        finally:
+            await client.close()
+
+    asyncio.run(cycle())
+    counts = [replicas for _, replicas in timeline]
+    print("replicas over time (s, running):", timeline, "calls:", calls)
+    assert failures == [], failures[:5]
+    assert max(counts) == 3, timeline
+    peak = counts.index(3)
+    assert min(counts[peak:]) == 1, f"never scaled back down: {timeline}"
+    assert calls > 100
+
+
+def test_scaled_stack_still_answers(scaling_stack: dict[str, str]) -> None:
+    client = tc.InferenceServerClient(f"localhost:{scaling_stack['GRPC_PORT']}")
+    assert client.is_server_ready()
+    assert running_replicas(scaling_stack) >= 1
+
