@@ -267,13 +267,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
     cells: list[Cell] = []
+    RESULTS.mkdir(exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
     for mode in args.modes:
         print(f"mode {mode}: starting the stack", flush=True)
         cells += run_mode(mode, args.sizes, args.concurrency, args.seconds, args.repeats)
-    RESULTS.mkdir(exist_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    (RESULTS / f"bench-{stamp}.json").write_text(json.dumps(
-        {"argv": vars(args), "cells": [asdict(c) for c in cells]}, indent=1))
+        # Written after every mode, so that an interrupted run keeps what it measured.
+        (RESULTS / f"bench-{stamp}.json").write_text(json.dumps(
+            {"argv": vars(args), "cells": [asdict(c) for c in cells]}, indent=1))
     plot(cells, RESULTS / f"bench-{stamp}.png")
     print(table(cells))
     print(f"figures: {RESULTS / f'bench-{stamp}.json'}, plot: {RESULTS / f'bench-{stamp}.png'}")
