@@ -21,6 +21,8 @@ from tests.local_stack_process import (
 )
 
 MESSAGE_LIMIT = 300 << 20
+ADMIN_KEY = "test-admin-key"
+ADMIN_METADATA = (("triton-grpc-protocol-sonic-ray-admin", ADMIN_KEY),)
 
 
 @dataclass
@@ -53,6 +55,8 @@ def stack() -> Iterator[Stack]:
             # A size limit that a test can exceed without sending 2 GiB (see test_faults.py).
             "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE": str(MESSAGE_LIMIT),
             "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(MESSAGE_LIMIT),
+            # Known to the tests, to call Triton's restricted RPCs directly for comparison.
+            "SONIC_RAY_ADMIN_KEY": ADMIN_KEY,
         }
     )
     try:

@@ -267,7 +267,7 @@ def test_allowed_admin_rpc_carries_the_admin_key_and_clients_cannot_forge_it(
         try:
             forwarder = await started_forwarder(ForwarderArgs(
                 triton_address=f"127.0.0.1:{port}", allowed_admin_rpcs=["RepositoryModelLoad"]))
-            forged = [("sonic-ray-admin", "guessed")]
+            forged = [("triton-grpc-protocol-sonic-ray-admin", "guessed")]
             await forwarder.forward_unary(BY_NAME["RepositoryModelLoad"], b"", FakeContext(forged))
             await forwarder.forward_unary(BY_NAME["ModelInfer"], b"", FakeContext(forged))
         finally:
@@ -275,5 +275,5 @@ def test_allowed_admin_rpc_carries_the_admin_key_and_clients_cannot_forge_it(
 
     asyncio.run(scenario())
     admin, infer = seen_headers
-    assert admin["sonic-ray-admin"] == "pod-uid-1234"
-    assert "sonic-ray-admin" not in infer
+    assert admin["triton-grpc-protocol-sonic-ray-admin"] == "pod-uid-1234"
+    assert "triton-grpc-protocol-sonic-ray-admin" not in infer

@@ -21,3 +21,10 @@ def test_refused_by_default_are_the_load_balancer_hazards() -> None:
         "CudaSharedMemoryRegister", "CudaSharedMemoryUnregister",
         "TraceSetting", "LogSettings",
     }) == REFUSABLE
+
+
+def test_rpcs_in_tritons_restricted_groups_are_marked() -> None:
+    # --grpc-restricted-protocol=model-repository,shared-memory,trace,logging
+    restricted = {rpc.name for rpc in RPCS if rpc.restricted}
+    assert restricted == REFUSABLE | {
+        "RepositoryIndex", "SystemSharedMemoryStatus", "CudaSharedMemoryStatus"}

@@ -6,9 +6,10 @@ file is re-read when it changes, so a rotated Secret takes effect without a rest
 never logged and never passed on to Triton.
 
 Triton's restricted protocols (defence in depth): Triton refuses repository, shared-memory,
-trace and logging RPCs unless the `sonic-ray-admin` header carries SONIC_RAY_ADMIN_KEY (the pod's
-UID on the cluster, a random key under `make local`); only the forwarder knows it, and it sends
-it only for the admin RPCs an operator allowed.
+trace and logging RPCs unless the `sonic-ray-admin` key header carries SONIC_RAY_ADMIN_KEY (the
+pod's UID on the cluster, a random key under `make local`); only the forwarder knows it, and it
+sends it only with the calls of those groups that it forwards: the read-only ones
+(RepositoryIndex, the shared-memory status calls) and the admin RPCs an operator allowed.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from pathlib import Path
 
 TOKENS_FILE_ENV = "SONIC_RAY_AUTH_TOKENS_FILE"
 ADMIN_KEY_ENV = "SONIC_RAY_ADMIN_KEY"
-ADMIN_HEADER = "sonic-ray-admin"
+# Triton prefixes the key named in --grpc-restricted-protocol (sonic-ray-admin) with this.
+ADMIN_HEADER = "triton-grpc-protocol-sonic-ray-admin"
 AUTHORIZATION = "authorization"
 _RECHECK_S = 5.0
 

@@ -189,7 +189,7 @@ class TritonForwarder:
         if self._refused(rpc, context):
             return RawMessage(b"")
         metadata, timeout = _forwarded_metadata(context)
-        if rpc.refusal and self._admin_key:
+        if rpc.restricted and self._admin_key:
             metadata.append((ADMIN_HEADER, self._admin_key))
         call = self._unary[rpc.name](request, metadata=metadata, timeout=timeout)
         try:

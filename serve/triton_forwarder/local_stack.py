@@ -4,7 +4,8 @@ config as the RayService, until Ctrl-C or SIGTERM.
 Environment: MODEL_REPOSITORY, GRPC_PORT (8001), TRITON_GRPC_PORT (8101), TRITON_HTTP_PORT
 (8100), TRITON_METRICS_PORT (8102), SERVE_HTTP_PORT (8000), RAY_GCS_PORT (6379),
 RAY_DASHBOARD_PORT (8265), TRITON_RESOURCES (1, the `triton` resources the node advertises),
-SERVE_CONFIG (serve/serve-config.yaml), TRITON_ARGS (extra tritonserver flags).
+SERVE_CONFIG (serve/serve-config.yaml), TRITON_ARGS (extra tritonserver flags),
+SONIC_RAY_ADMIN_KEY (the key of Triton's restricted RPCs; random when unset).
 """
 
 from __future__ import annotations
@@ -295,7 +296,7 @@ class LocalStack:
         self.settings = settings
         self.workdir = Path(tempfile.mkdtemp(prefix="sonic-ray-"))
         # Opens Triton's restricted RPCs; only Triton and the forwarder ever see it.
-        self.admin_key = secrets.token_hex(16)
+        self.admin_key = os.environ.get(ADMIN_KEY_ENV) or secrets.token_hex(16)
         self.triton = TritonSupervisor(settings, self.workdir, self.admin_key)
         self.ray: subprocess.Popen[bytes] | None = None
 

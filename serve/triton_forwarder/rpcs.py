@@ -15,6 +15,9 @@ class Rpc:
     streaming: bool = False
     # Why the RPC is wrong behind a load balancer; empty when it is safe to forward.
     refusal: str = ""
+    # In one of the protocol groups Triton restricts (--grpc-restricted-protocol): the forwarder
+    # sends the admin key with it.
+    restricted: bool = False
 
     @property
     def path(self) -> str:
@@ -40,17 +43,17 @@ RPCS: tuple[Rpc, ...] = (
     Rpc("ModelStreamInfer", streaming=True),
     Rpc("ModelConfig"),
     Rpc("ModelStatistics"),
-    Rpc("RepositoryIndex"),
-    Rpc("RepositoryModelLoad", refusal=_ONE_REPLICA),
-    Rpc("RepositoryModelUnload", refusal=_ONE_REPLICA),
-    Rpc("SystemSharedMemoryStatus"),
-    Rpc("SystemSharedMemoryRegister", refusal=_SHARED_MEMORY),
-    Rpc("SystemSharedMemoryUnregister", refusal=_SHARED_MEMORY),
-    Rpc("CudaSharedMemoryStatus"),
-    Rpc("CudaSharedMemoryRegister", refusal=_SHARED_MEMORY),
-    Rpc("CudaSharedMemoryUnregister", refusal=_SHARED_MEMORY),
-    Rpc("TraceSetting", refusal=_ONE_POD),
-    Rpc("LogSettings", refusal=_ONE_POD),
+    Rpc("RepositoryIndex", restricted=True),
+    Rpc("RepositoryModelLoad", refusal=_ONE_REPLICA, restricted=True),
+    Rpc("RepositoryModelUnload", refusal=_ONE_REPLICA, restricted=True),
+    Rpc("SystemSharedMemoryStatus", restricted=True),
+    Rpc("SystemSharedMemoryRegister", refusal=_SHARED_MEMORY, restricted=True),
+    Rpc("SystemSharedMemoryUnregister", refusal=_SHARED_MEMORY, restricted=True),
+    Rpc("CudaSharedMemoryStatus", restricted=True),
+    Rpc("CudaSharedMemoryRegister", refusal=_SHARED_MEMORY, restricted=True),
+    Rpc("CudaSharedMemoryUnregister", refusal=_SHARED_MEMORY, restricted=True),
+    Rpc("TraceSetting", refusal=_ONE_POD, restricted=True),
+    Rpc("LogSettings", refusal=_ONE_POD, restricted=True),
 )
 
 BY_NAME: dict[str, Rpc] = {rpc.name: rpc for rpc in RPCS}
