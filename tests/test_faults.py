@@ -170,6 +170,11 @@ def test_serve_replica_killed_under_load(stack: Stack) -> None:
         await task
 
     asyncio.run(kill_then_load())
+    statuses = [status for status, _ in outcomes]
+    print(f"replica killed: {len(outcomes)} calls, {statuses.count('OK')} ok, "
+          f"{len(outcomes) - statuses.count('OK')} ended with a status "
+          f"({sorted(set(statuses) - {'OK'})}), 0 hung; longest call "
+          f"{max(elapsed for _, elapsed in outcomes):.1f}s")
     assert outcomes, "no call was made"
     # Nothing hung: every call ended before its 10 s deadline (plus scheduling slack).
     assert max(elapsed for _, elapsed in outcomes) < 12
