@@ -154,6 +154,8 @@ class TritonSupervisor:
             started = time.monotonic()
             self._process = self._spawn()
             code = self._process.wait()
+            # Its python-backend stubs outlive a killed Triton; a container's processes all go.
+            _kill_session(self._process.pid)
             if self._stopping.is_set():
                 return
             if time.monotonic() - started > 60:
