@@ -69,4 +69,4 @@ clean:
 # a PNG plot in bench-results/. MODES="default classic haproxy ..." compares ingress modes.
 MODES ?= default
 bench: venv
-	$(PY) -m bench.serve_hop --modes $(MODES)
+	env PYTHONPATH=serve:. $(PY) -m bench.serve_hop --modes $(MODES)

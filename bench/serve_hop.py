@@ -34,6 +34,7 @@ from tests.local_stack_process import (
     merged_model_repository,
     stack_ports_env,
 )
+from triton_forwarder.local_stack import session_members
 
 RESULTS = Path(__file__).resolve().parent.parent / "bench-results"
 MIB = 1 << 20
@@ -96,18 +97,9 @@ def _inputs(size: str) -> tuple[str, Callable[[], list[tc.InferInput]]]:
 
 
 def _session_cpu_s(sid: int) -> float:
-    """CPU seconds (user + system) of the live processes of one session."""
-    total = 0
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == sid:  # field 6 of stat: session id
-            total += int(fields[11]) + int(fields[12])
-    return total / CLK_TCK
+    """CPU seconds (user + system: stat fields 14 and 15) of the live processes of a session."""
+    members = session_members(sid).values()
+    return sum(int(fields[11]) + int(fields[12]) for fields in members) / CLK_TCK
 
 
 async def _measure(url: str, size: str, concurrency: int, seconds: float,

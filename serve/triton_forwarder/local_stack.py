@@ -180,8 +180,9 @@ def _die_with_stack() -> None:
     os.setsid()
 
 
-def _session_members(sid: int) -> list[int]:
-    members = []
+def session_members(sid: int) -> dict[int, list[str]]:
+    """The live processes of a session: pid -> the fields of /proc/<pid>/stat after the name."""
+    members = {}
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
@@ -189,14 +190,14 @@ def _session_members(sid: int) -> list[int]:
             fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[3]) == sid:
-            members.append(int(proc.name))
+        if int(fields[3]) == sid:  # stat field 6: the session id
+            members[int(proc.name)] = fields
     return members
 
 
 def _kill_session(sid: int) -> None:
     """Ray's workers change process group (and HAProxy is their child): a session holds all."""
-    for pid in _session_members(sid):
+    for pid in session_members(sid):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
 
