@@ -15,7 +15,6 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import statistics
 import time
 import urllib.request
@@ -27,13 +26,7 @@ import numpy as np
 import tritonclient.grpc as tc
 import tritonclient.grpc.aio as tc_aio
 
-from tests.local_stack_process import (
-    EXAMPLE_MODELS,
-    TEST_MODELS,
-    StackProcess,
-    merged_model_repository,
-    stack_ports_env,
-)
+from tests.local_stack_process import running_stack
 from triton_forwarder.local_stack import session_members
 
 RESULTS = Path(__file__).resolve().parent.parent / "bench-results"
@@ -135,20 +128,12 @@ async def _measure(url: str, size: str, concurrency: int, seconds: float,
 
 def run_mode(mode: str, sizes: list[str], concurrencies: list[int], seconds: float,
              repeats: int) -> list[Cell]:
-    repo = merged_model_repository([EXAMPLE_MODELS, TEST_MODELS])
-    ports = stack_ports_env()
-    env = {**ports, "MODEL_REPOSITORY": str(repo), **MODES[mode]}
-    grpc_port, t_grpc = ports["GRPC_PORT"], ports["TRITON_GRPC_PORT"]
-    dash = int(ports["RAY_DASHBOARD_PORT"])
-    stack = StackProcess(env)
     cells: list[Cell] = []
-    try:
-        stack.wait_for_line(r"\bready\b", timeout_s=420)
-        ray_sid = int(re.search(r"starting Ray \(pid (\d+)",
-                                "\n".join(stack.lines)).group(1))  # type: ignore[union-attr]
-        triton_sid = stack.triton_pid()
-        urls = {"direct": f"localhost:{t_grpc}", "serve": f"localhost:{grpc_port}"}
-        replica = _replica_grpc_port(dash)
+    with running_stack(MODES[mode]) as running:
+        stack = running.process
+        ray_sid, triton_sid = stack.ray_pid(), stack.triton_pid()  # each leads a session
+        urls = {"direct": running.url("TRITON_GRPC_PORT"), "serve": running.url("GRPC_PORT")}
+        replica = _replica_grpc_port(int(running.ports["RAY_DASHBOARD_PORT"]))
         if replica:
             urls["replica"] = f"localhost:{replica}"
         for size in sizes:
@@ -182,8 +167,6 @@ def run_mode(mode: str, sizes: list[str], concurrencies: list[int], seconds: flo
                 print(f"  {mode:24} {size:6} c={concurrency:<3} " + " ".join(
                     f"{path} {c.rps:8.1f} req/s ({c.rps / latest['direct'].rps:4.2f})"
                     for path, c in latest.items()), flush=True)
-    finally:
-        stack.stop()
     return cells
 
 

@@ -13,7 +13,9 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -104,10 +106,15 @@ class StackProcess:
                     )
                 self._changed.wait(min(remaining, 1.0))
 
-    def triton_pid(self) -> int:
-        pids = [int(m.group(1)) for line in self.lines
-                if (m := re.search(r"triton started \(pid (\d+)\)", line))]
+    def _pid(self, pattern: str) -> int:
+        pids = [int(m.group(1)) for line in self.lines if (m := re.search(pattern, line))]
         return pids[-1]
+
+    def triton_pid(self) -> int:
+        return self._pid(r"triton started \(pid (\d+)\)")
+
+    def ray_pid(self) -> int:
+        return self._pid(r"starting Ray \(pid (\d+)")
 
     def stop(self, timeout_s: float = 90) -> int:
         if self.process.poll() is None:
@@ -117,6 +124,42 @@ class StackProcess:
         except subprocess.TimeoutExpired:
             os.killpg(self.process.pid, signal.SIGKILL)
             return self.process.wait()
+
+
+@dataclass
+class RunningStack:
+    process: StackProcess
+    ports: dict[str, str]
+    model_repository: Path
+
+    def url(self, port_name: str) -> str:
+        return f"localhost:{self.ports[port_name]}"
+
+
+@contextmanager
+def running_stack(env: dict[str, str]) -> Iterator[RunningStack]:
+    """A stack on ports of its own with a fresh copy of the example and test models, started
+    until `ready` and stopped with SIGTERM afterwards (its exit status is in
+    `process.process.returncode`)."""
+    repo = merged_model_repository([EXAMPLE_MODELS, TEST_MODELS])
+    ports = stack_ports_env()
+    process = StackProcess({**ports, "MODEL_REPOSITORY": str(repo), **env})
+    try:
+        process.wait_for_line(r"\bready\b", timeout_s=420)
+        yield RunningStack(process, ports, repo)
+    finally:
+        process.stop()
+        shutil.rmtree(repo, ignore_errors=True)
+
+
+def processes_left_behind(stack: StackProcess, wait_s: float = 10) -> list[str]:
+    """What of the stack still runs after it stopped; killed processes take a moment to go."""
+    deadline = time.monotonic() + wait_s
+    left = leftover_processes(stack)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.5)
+        left = leftover_processes(stack)
+    return left
 
 
 def leftover_processes(stack: StackProcess) -> list[str]:

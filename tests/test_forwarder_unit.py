@@ -51,7 +51,11 @@ class FakeContext:
         self.trailing = metadata
 
 
-async def _fake_triton(seen: list[Any]) -> tuple[grpc.aio.Server, int]:
+async def _fake_triton(
+    seen: list[Any], extra: dict[str, grpc.RpcMethodHandler] | None = None
+) -> tuple[grpc.aio.Server, int]:
+    """A stand-in Triton: ServerReady/Live, ModelInfer and ModelStreamInfer, plus `extra`."""
+
     async def ready(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         return READY
 
@@ -73,6 +77,7 @@ async def _fake_triton(seen: list[Any]) -> tuple[grpc.aio.Server, int]:
         "ServerLive": grpc.unary_unary_rpc_method_handler(ready),
         "ModelInfer": grpc.unary_unary_rpc_method_handler(infer),
         "ModelStreamInfer": grpc.stream_stream_rpc_method_handler(stream),
+        **(extra or {}),
     }
     server = grpc.aio.server()
     server.add_generic_rpc_handlers(
@@ -246,24 +251,15 @@ def test_allowed_admin_rpc_carries_the_admin_key_and_clients_cannot_forge_it(
 ) -> None:
     monkeypatch.setenv("SONIC_RAY_ADMIN_KEY", "pod-uid-1234")
     seen_headers: list[dict[str, Any]] = []
+    seen: list[Any] = []
 
     async def scenario() -> None:
         async def load(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
             seen_headers.append(dict(context.invocation_metadata()))
             return b""
 
-        async def ready(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-            return READY
-
-        server = grpc.aio.server()
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-            "inference.GRPCInferenceService", {
-                "ServerReady": grpc.unary_unary_rpc_method_handler(ready),
-                "RepositoryModelLoad": grpc.unary_unary_rpc_method_handler(load),
-                "ModelInfer": grpc.unary_unary_rpc_method_handler(load),
-            }),))
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
+        server, port = await _fake_triton(
+            seen, {"RepositoryModelLoad": grpc.unary_unary_rpc_method_handler(load)})
         try:
             forwarder = await started_forwarder(ForwarderArgs(
                 triton_address=f"127.0.0.1:{port}", allowed_admin_rpcs=["RepositoryModelLoad"]))
@@ -274,6 +270,6 @@ def test_allowed_admin_rpc_carries_the_admin_key_and_clients_cannot_forge_it(
             await server.stop(None)
 
     asyncio.run(scenario())
-    admin, infer = seen_headers
+    (admin,), infer = seen_headers, seen[-1][1]
     assert admin["triton-grpc-protocol-sonic-ray-admin"] == "pod-uid-1234"
     assert "triton-grpc-protocol-sonic-ray-admin" not in infer

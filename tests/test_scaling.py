@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -17,30 +16,17 @@ import tritonclient.grpc as tc
 import tritonclient.grpc.aio as tc_aio
 from tritonclient.utils import InferenceServerException
 
-from tests.local_stack_process import (
-    EXAMPLE_MODELS,
-    ROOT,
-    TEST_MODELS,
-    StackProcess,
-    merged_model_repository,
-    stack_ports_env,
-)
+from tests.local_stack_process import ROOT, processes_left_behind, running_stack
 
 
 @pytest.fixture(scope="module")
 def scaling_stack() -> Iterator[dict[str, str]]:
-    repo = merged_model_repository([EXAMPLE_MODELS, TEST_MODELS])
-    ports = stack_ports_env()
-    process = StackProcess({
-        **ports, "MODEL_REPOSITORY": str(repo), "TRITON_RESOURCES": "3",
+    with running_stack({
+        "TRITON_RESOURCES": "3",
         "SERVE_CONFIG": str(ROOT / "tests" / "fixtures" / "serve-config-scaling.yaml"),
-    })
-    try:
-        process.wait_for_line(r"\bready\b", timeout_s=420)
-        yield ports
-    finally:
-        process.stop()
-        shutil.rmtree(repo, ignore_errors=True)
+    }) as running:
+        yield running.ports
+    assert not processes_left_behind(running.process)
 
 
 def running_replicas(ports: dict[str, str]) -> int:
