@@ -273,3 +273,18 @@ def test_allowed_admin_rpc_carries_the_admin_key_and_clients_cannot_forge_it(
     (admin,), infer = seen_headers, seen[-1][1]
     assert admin["triton-grpc-protocol-sonic-ray-admin"] == "pod-uid-1234"
     assert "triton-grpc-protocol-sonic-ray-admin" not in infer
+
+
+def test_health_check_fails_once_triton_is_gone() -> None:
+    """Serve's check_health: a dead Triton makes the replica unhealthy (Serve replaces it)."""
+
+    async def scenario() -> None:
+        server, port = await _fake_triton([])
+        forwarder = await started_forwarder(
+            ForwarderArgs(triton_address=f"127.0.0.1:{port}", health_timeout_s=2))
+        await forwarder.check_health()
+        await server.stop(None)
+        with pytest.raises(RuntimeError, match=r"127\.0\.0\.1:\d+ is not live: UNAVAILABLE"):
+            await forwarder.check_health()
+
+    asyncio.run(scenario())
