@@ -15,7 +15,7 @@ import pytest
 from ray.serve._private.grpc_util import gRPCGenericServer
 from ray.serve._private.proxy_request_response import gRPCStreamingType
 
-from triton_forwarder.deployment import ForwarderArgs, TritonForwarder
+from triton_forwarder.deployment import ForwarderArgs, StreamEnded, TritonForwarder
 from triton_forwarder.rpcs import BY_NAME
 from triton_forwarder.servicer import TIMEOUT_KEY, add_triton_servicer
 
@@ -69,6 +69,8 @@ async def _fake_triton(
     async def stream(requests: AsyncIterator[bytes],
                      context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
         async for request in requests:
+            if request == b"fail":
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "Triton's stream gives up")
             yield b"echo:" + request
         context.set_trailing_metadata((("stream-trailer", "kept"),))
 
@@ -120,6 +122,23 @@ def test_status_details_and_trailers_pass_unchanged() -> None:
                 BY_NAME["ModelStreamInfer"], requests(), streamed)]
             assert replies == [b"echo:1", b"echo:2", b"echo:3"]
             assert streamed.trailing == [("stream-trailer", "kept")]
+
+            # A stream that Triton ends with an error ends with an exception that carries the
+            # code on the context: a status set after the last message would reach the client
+            # as OK through Serve's classic proxy.
+            async def failing() -> AsyncIterator[bytes]:
+                for item in (b"1", b"fail"):
+                    yield item
+
+            broken = FakeContext([])
+            got: list[bytes] = []
+            with pytest.raises(StreamEnded, match="Triton's stream gives up"):
+                async for message in forwarder.forward_stream(
+                        BY_NAME["ModelStreamInfer"], failing(), broken):
+                    got.append(message.SerializeToString())
+            assert got == [b"echo:1"]
+            assert (broken.code, broken.details) == (
+                grpc.StatusCode.RESOURCE_EXHAUSTED, "Triton's stream gives up")
         finally:
             await server.stop(None)
 

@@ -59,6 +59,10 @@ class TokenCheck:
             raise RuntimeError(f"{TOKENS_FILE_ENV}={self._path} holds no token")
         self._tokens, self._mtime = tokens, mtime
 
+    def credentials(self) -> tuple[tuple[str, str], ...]:
+        """Metadata that passes this check: for the local stack's own readiness call."""
+        return ((AUTHORIZATION, "Bearer " + self._tokens[0].decode()),)
+
     def allows(self, metadata: list[tuple[str, object]]) -> bool:
         now = time.monotonic()
         if now - self._checked > _RECHECK_S:

@@ -106,6 +106,16 @@ async def _copy_status(call: Any, context: CallContext) -> None:
         context.set_details(await call.details() or "")
 
 
+class StreamEnded(Exception):
+    """Ends a stream whose status is not OK.
+
+    Serve's classic proxy copies a stream's context to the client only together with a
+    message, so a status set after the last message (or on a stream with none) would reach the
+    client as OK. Raised with the code already on the context, it reaches the client as that
+    code and these details, on the classic proxy and on direct-ingress replicas alike.
+    """
+
+
 class TritonForwarder:
     # Serve awaits an async constructor, so a replica counts as started only once its Triton
     # is ready.
@@ -170,23 +180,24 @@ class TritonForwarder:
         if reply != b"\x08\x01":
             raise RuntimeError(f"Triton at {self._args.triton_address} reports live=false")
 
-    def _refused(self, rpc: Rpc, context: CallContext) -> bool:
-        # The status goes on the context rather than in an exception: Serve logs a stack
-        # trace for every exception, and a refusal is an answer, not a fault.
+    def _refusal(self, rpc: Rpc, context: CallContext) -> str | None:
+        """Why this call is refused (code and details then set on the context), or None."""
+        # Unary refusals stay answers, not exceptions: Serve logs a stack trace for every
+        # exception, and a refusal is an answer, not a fault.
         if self._tokens is not None and not self._tokens.allows(context.invocation_metadata()):
             context.set_code(grpc.StatusCode.UNAUTHENTICATED)
             context.set_details(_UNAUTHENTICATED)
-            return True
+            return _UNAUTHENTICATED
         if rpc.refusal and rpc.name not in self._allowed:
             context.set_code(grpc.StatusCode.PERMISSION_DENIED)
             context.set_details(refusal_message(rpc))
-            return True
-        return False
+            return refusal_message(rpc)
+        return None
 
     async def forward_unary(
         self, rpc: Rpc, request: bytes, context: CallContext
     ) -> RawMessage:
-        if self._refused(rpc, context):
+        if self._refusal(rpc, context) is not None:
             return RawMessage(b"")
         metadata, timeout = _forwarded_metadata(context)
         if rpc.restricted and self._admin_key:
@@ -202,8 +213,9 @@ class TritonForwarder:
     async def forward_stream(
         self, rpc: Rpc, requests: AsyncIterator[bytes], context: CallContext
     ) -> AsyncIterator[RawMessage]:
-        if self._refused(rpc, context):
-            return
+        refusal = self._refusal(rpc, context)
+        if refusal is not None:
+            raise StreamEnded(refusal)
         metadata, timeout = _forwarded_metadata(context)
         call = self._streams[rpc.name](requests, metadata=metadata, timeout=timeout)
         try:
@@ -215,6 +227,8 @@ class TritonForwarder:
             # A client that went away cancels the stream to Triton too.
             call.cancel()
         await _copy_status(call, context)
+        if await call.code() != grpc.StatusCode.OK:
+            raise StreamEnded(await call.details() or "")
 
 
 def _unary_method(rpc: Rpc) -> Any:

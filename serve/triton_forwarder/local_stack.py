@@ -32,7 +32,7 @@ import grpc
 import yaml
 
 from . import triton_binary
-from .access import ADMIN_KEY_ENV
+from .access import ADMIN_KEY_ENV, TokenCheck
 from .rpcs import SERVICE
 
 SERVE_DIR = Path(__file__).resolve().parent.parent
@@ -284,12 +284,13 @@ def _wait(what: str, check: Any, timeout_s: float, alive: Any) -> None:
         time.sleep(0.5)
 
 
-def _server_ready(port: int) -> Any:
+def _server_ready(port: int, metadata: tuple[tuple[str, str], ...] = ()) -> Any:
     with grpc.insecure_channel(f"localhost:{port}") as channel:
         ready = channel.unary_unary(f"/{SERVICE}/ServerReady")
         try:
             # No progress line may contain the word the final line is known by.
-            return True if ready(b"", timeout=2) == b"\x08\x01" else "models still loading"
+            answer = ready(b"", timeout=2, metadata=metadata)
+            return True if answer == b"\x08\x01" else "models still loading"
         except grpc.RpcError as error:
             return f"{error.code().name}: {error.details()}"
 
@@ -339,8 +340,15 @@ class LocalStack:
         _wait("Triton to load its models", triton_ready, READY_TIMEOUT_S, self._ray_alive)
         say("Triton has loaded its models; waiting for Serve's replica to answer")
 
+        # With token authentication on, the stack's own call needs a token like any client's.
+        try:
+            tokens = TokenCheck.from_env()
+        except RuntimeError as error:
+            raise SystemExit(str(error)) from None
+        credentials = tokens.credentials() if tokens is not None else ()
+
         def serve_ready() -> Any:
-            answer = _server_ready(s.grpc_port)
+            answer = _server_ready(s.grpc_port, credentials)
             if answer is True:
                 return True
             try:
