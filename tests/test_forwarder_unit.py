@@ -15,7 +15,7 @@ import pytest
 from ray.serve._private.grpc_util import gRPCGenericServer
 from ray.serve._private.proxy_request_response import gRPCStreamingType
 
-from triton_forwarder.deployment import ForwarderArgs, StreamEnded, TritonForwarder
+from triton_forwarder.deployment import ForwarderArgs, StreamEndedError, TritonForwarder
 from triton_forwarder.rpcs import BY_NAME
 from triton_forwarder.servicer import TIMEOUT_KEY, add_triton_servicer
 
@@ -132,7 +132,7 @@ def test_status_details_and_trailers_pass_unchanged() -> None:
 
             broken = FakeContext([])
             got: list[bytes] = []
-            with pytest.raises(StreamEnded, match="Triton's stream gives up"):
+            with pytest.raises(StreamEndedError, match="Triton's stream gives up"):
                 async for message in forwarder.forward_stream(
                         BY_NAME["ModelStreamInfer"], failing(), broken):
                     got.append(message.SerializeToString())

@@ -106,7 +106,7 @@ async def _copy_status(call: Any, context: CallContext) -> None:
         context.set_details(await call.details() or "")
 
 
-class StreamEnded(Exception):
+class StreamEndedError(Exception):
     """Ends a stream whose status is not OK.
 
     Serve's classic proxy copies a stream's context to the client only together with a
@@ -215,7 +215,7 @@ class TritonForwarder:
     ) -> AsyncIterator[RawMessage]:
         refusal = self._refusal(rpc, context)
         if refusal is not None:
-            raise StreamEnded(refusal)
+            raise StreamEndedError(refusal)
         metadata, timeout = _forwarded_metadata(context)
         call = self._streams[rpc.name](requests, metadata=metadata, timeout=timeout)
         try:
@@ -228,7 +228,7 @@ class TritonForwarder:
             call.cancel()
         await _copy_status(call, context)
         if await call.code() != grpc.StatusCode.OK:
-            raise StreamEnded(await call.details() or "")
+            raise StreamEndedError(await call.details() or "")
 
 
 def _unary_method(rpc: Rpc) -> Any:
