@@ -172,7 +172,14 @@ def extract(rayservice: dict[str, Any]) -> Facts:
                 "privileged": security.get("privileged", False),
                 "capabilitiesDropped": (security.get("capabilities") or {}).get("drop") or [],
                 "seccomp": seccomp.get("type"),
+                "readOnlyRootFilesystem": security.get("readOnlyRootFilesystem", False),
             }, f"{where}.securityContext")
+            writable = [m for m in container.get("volumeMounts") or []
+                        if m.get("mountPath", "").rstrip("/") == "/tmp" and not m.get("readOnly")]
+            facts.append("readOnlyRootTmp", {
+                "readOnlyRootFilesystem": security.get("readOnlyRootFilesystem", False),
+                "writableTmp": bool(writable),
+            }, f"{where}.volumeMounts")
             image = str(container.get("image"))
             facts.append("images", image, f"{where}.image")
             if "ray" in image.rsplit("/", 1)[-1].split(":")[0] and not _is_triton(container):

@@ -13,7 +13,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,13 +56,13 @@ def merged_model_repository(sources: Iterable[Path]) -> Path:
 
 
 class StackProcess:
-    def __init__(self, env: dict[str, str]) -> None:
+    def __init__(self, env: dict[str, str], wrapper: Sequence[str] = ()) -> None:
         self.env = env
         self.lines: list[str] = []
         self.finished = False
         self._changed = threading.Condition()
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "triton_forwarder.local_stack"],
+            [*wrapper, sys.executable, "-m", "triton_forwarder.local_stack"],
             cwd=ROOT / "serve",
             env={**os.environ, **env, "PYTHONUNBUFFERED": "1"},
             stdout=subprocess.PIPE,
@@ -137,13 +137,13 @@ class RunningStack:
 
 
 @contextmanager
-def running_stack(env: dict[str, str]) -> Iterator[RunningStack]:
+def running_stack(env: dict[str, str], wrapper: Sequence[str] = ()) -> Iterator[RunningStack]:
     """A stack on ports of its own with a fresh copy of the example and test models, started
-    until `ready` and stopped with SIGTERM afterwards (its exit status is in
-    `process.process.returncode`)."""
+    (under `wrapper`, a command that execs its arguments) until `ready` and stopped with
+    SIGTERM afterwards (its exit status is in `process.process.returncode`)."""
     repo = merged_model_repository([EXAMPLE_MODELS, TEST_MODELS])
     ports = stack_ports_env()
-    process = StackProcess({**ports, "MODEL_REPOSITORY": str(repo), **env})
+    process = StackProcess({**ports, "MODEL_REPOSITORY": str(repo), **env}, wrapper)
     try:
         process.wait_for_line(r"\bready\b", timeout_s=420)
         yield RunningStack(process, ports, repo)

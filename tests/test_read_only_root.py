@@ -1,0 +1,80 @@
+"""The pods' `readOnlyRootFilesystem: true` (base/rayservice.yaml), tried on this machine: the
+whole stack (Ray, Serve's proxy and replica, Triton with its python backend) runs in a mount
+namespace whose root filesystem is read-only, with only what the pods mount writable: a fresh
+/tmp (the emptyDir) and /dev/shm. HOME is the read-only root, as /home/ray is in the pod, and
+the models come from the repository's own read-only directory, as from CVMFS."""
+
+from __future__ import annotations
+
+import queue
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as tc
+
+from tests.local_stack_process import EXAMPLE_MODELS, RunningStack, processes_left_behind, running_stack
+
+READ_ONLY_ROOT = [
+    "unshare", "--mount", "--propagation", "private", "sh", "-c",
+    'mount -o remount,bind,ro / && mount -t tmpfs -o size=4g tmpfs /tmp && exec "$@"',
+    "read-only-root",
+]
+
+
+@pytest.fixture(scope="module")
+def read_only_stack() -> Iterator[RunningStack]:
+    probe = subprocess.run([*READ_ONLY_ROOT, "true"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"no mount namespace with a read-only root here: {probe.stderr.strip()}")
+    with running_stack({"HOME": "/", "MODEL_REPOSITORY": str(EXAMPLE_MODELS)},
+                       wrapper=READ_ONLY_ROOT) as running:
+        yield running
+    assert running.process.process.returncode == 0
+    assert not processes_left_behind(running.process)
+
+
+def _root_of(pid: int) -> tuple[str, Path]:
+    """The options of `/` as process `pid` sees it, and its /tmp seen from here."""
+    for line in Path(f"/proc/{pid}/mounts").read_text().splitlines():
+        _, target, _, options, *_ = line.split()
+        if target == "/":
+            root_options = options
+    return root_options, Path(f"/proc/{pid}/root/tmp")
+
+
+def test_the_stack_serves_with_a_read_only_root(read_only_stack: RunningStack) -> None:
+    options, tmp = _root_of(read_only_stack.process.ray_pid())
+    assert options.split(",")[0] == "ro", "the stack did not run on a read-only root"
+
+    client = tc.InferenceServerClient(read_only_stack.url("GRPC_PORT"))
+    data = np.arange(16, dtype=np.int32).reshape(1, 16)
+    inputs = [tc.InferInput("INPUT0", [1, 16], "INT32"), tc.InferInput("INPUT1", [1, 16], "INT32")]
+    inputs[0].set_data_from_numpy(data)
+    inputs[1].set_data_from_numpy(np.ones_like(data))
+    result = client.infer("simple", inputs, client_timeout=60)
+    assert (result.as_numpy("OUTPUT0") == data + 1).all()
+
+    replies: queue.Queue[object] = queue.Queue()
+    client.start_stream(callback=lambda result, error: replies.put(error or result))
+    try:
+        repeat = [tc.InferInput("IN", [3], "INT32"), tc.InferInput("DELAY", [3], "UINT32"),
+                  tc.InferInput("WAIT", [1], "UINT32")]
+        repeat[0].set_data_from_numpy(np.array([4, 2, 0], np.int32))
+        repeat[1].set_data_from_numpy(np.zeros(3, np.uint32))
+        repeat[2].set_data_from_numpy(np.zeros(1, np.uint32))
+        client.async_stream_infer("repeat_int32", repeat)
+        got = [replies.get(timeout=60) for _ in range(3)]
+    finally:
+        client.stop_stream()
+    assert [int(r.as_numpy("OUT")[0]) for r in got] == [4, 2, 0]  # type: ignore[attr-defined]
+
+    # Nothing failed quietly on the way: no component logged a write refused by the root.
+    logs = [p for p in tmp.rglob("*.log") if p.is_file()] + \
+           [p for p in tmp.rglob("*.err") if p.is_file()] + [p for p in tmp.rglob("*.out") if p.is_file()]
+    assert any(p.name == "triton.log" for p in logs) and len(logs) > 5, logs
+    for path in logs:
+        text = path.read_text(errors="replace")
+        assert "Read-only file system" not in text, f"{path}: a write to the root filesystem"
