@@ -33,7 +33,8 @@ RESULTS = Path(__file__).resolve().parent.parent / "bench-results"
 MIB = 1 << 20
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
-# Ray environment per ingress mode; "default" is what serve/ray-env.env sets.
+# Ray environment per ingress mode; "default" is what serve/ray-env.env sets (HAProxy in front
+# of throughput-optimised replicas, 1 MiB buffers, 256 KiB h2 windows).
 MODES: dict[str, dict[str, str]] = {
     "default": {},
     "classic": {"RAY_SERVE_PROXY_USE_GRPC": "0", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
@@ -41,9 +42,14 @@ MODES: dict[str, dict[str, str]] = {
     "classic-grpc": {"RAY_SERVE_PROXY_USE_GRPC": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
                      "RAY_SERVE_ENABLE_HA_PROXY": "0", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "0"},
     "haproxy": {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "0"},
-    "haproxy-throughput": {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"},
-    # components/haproxy-ingress
-    "haproxy-throughput-tuned": {
+    # HAProxy's own h2 defaults (16 KiB buffers, 64 KiB windows).
+    "haproxy-throughput-h2-defaults": {
+        "RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+        "RAY_SERVE_HAPROXY_TUNE_BUFSIZE": "16384", "RAY_SERVE_HAPROXY_H2_MAX_FRAME_SIZE": "16384",
+        "RAY_SERVE_HAPROXY_H2_FE_INITIAL_WINDOW_SIZE": "65535",
+        "RAY_SERVE_HAPROXY_H2_BE_INITIAL_WINDOW_SIZE": "65535"},
+    # The previous opt-in setting: a buffer no larger than the window; stalled with 16 MiB calls.
+    "haproxy-throughput-256k": {
         "RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
         "RAY_SERVE_HAPROXY_TUNE_BUFSIZE": "262144", "RAY_SERVE_HAPROXY_H2_MAX_FRAME_SIZE": "262144",
         "RAY_SERVE_HAPROXY_H2_FE_INITIAL_WINDOW_SIZE": "262144",
@@ -133,7 +139,7 @@ def run_mode(mode: str, sizes: list[str], concurrencies: list[int], seconds: flo
         stack = running.process
         ray_sid, triton_sid = stack.ray_pid(), stack.triton_pid()  # each leads a session
         urls = {"direct": running.url("TRITON_GRPC_PORT"), "serve": running.url("GRPC_PORT")}
-        replica = _replica_grpc_port(int(running.ports["RAY_DASHBOARD_PORT"]))
+        replica = _replica_grpc_port(int(running.ports["RAY_DASHBOARD_PORT"]), running.ports)
         if replica:
             urls["replica"] = f"localhost:{replica}"
         for size in sizes:
@@ -170,21 +176,43 @@ def run_mode(mode: str, sizes: list[str], concurrencies: list[int], seconds: flo
     return cells
 
 
-def _replica_grpc_port(dashboard_port: int) -> int | None:
-    """A replica's own gRPC port in direct-ingress modes (Serve's target groups)."""
+def _replica_grpc_port(dashboard_port: int, ports: dict[str, str]) -> int | None:
+    """The first replica's own gRPC port in direct-ingress modes: the port in Serve's
+    direct-ingress gRPC range (RAY_SERVE_DIRECT_INGRESS_MIN/MAX_GRPC_PORT) on which the
+    replica's process listens. (Serve's `target_groups` list the proxy's port, HAProxy's in
+    HAProxy mode, not the replicas'.)"""
     url = f"http://127.0.0.1:{dashboard_port}/api/serve/applications/"
     try:
         with urllib.request.urlopen(url, timeout=10) as response:
             details = json.load(response)
-    except OSError:
+        replicas = details["applications"]["triton"]["deployments"]["TritonForwarder"]["replicas"]
+        pid = int(replicas[0]["pid"])
+    except (OSError, KeyError, IndexError, TypeError, ValueError):
         return None
-    for group in details.get("target_groups") or []:
-        if str(group.get("protocol", "")).lower().endswith("grpc"):
-            for target in group.get("targets") or []:
-                port = target.get("port")
-                if port:
-                    return int(port)
-    return None
+    low = int(ports.get("RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT", "40000"))
+    high = int(ports.get("RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT", "41000"))
+    ports = [port for port in _listening_ports(pid) if low <= port <= high]
+    return min(ports) if ports else None
+
+
+def _listening_ports(pid: int) -> set[int]:
+    """TCP ports on which process `pid` listens (its socket inodes in /proc/net/tcp*)."""
+    fds = Path(f"/proc/{pid}/fd")
+    inodes = set()
+    for fd in fds.iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    ports = set()
+    for table_name in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table_name}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
 
 
 def table(cells: list[Cell]) -> str:

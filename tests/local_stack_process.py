@@ -4,6 +4,7 @@ ports of its own, and follows what it prints."""
 from __future__ import annotations
 
 import os
+import random
 import re
 import shutil
 import signal
@@ -21,6 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE_MODELS = ROOT / "serve" / "models"
 TEST_MODELS = ROOT / "tests" / "models"
+REPLICA_PORTS = 16  # per stack and protocol: more than any test's replicas
 
 
 def free_ports(count: int) -> list[int]:
@@ -36,13 +38,41 @@ def free_ports(count: int) -> list[int]:
             s.close()
 
 
+def free_port_range(count: int, low: int = 20000, high: int = 30000) -> int:
+    """The first of `count` consecutive free ports between `low` and `high`, which lie between
+    Ray's worker ports (10002-19999) and the kernel's ephemeral ports."""
+    rng = random.Random()
+    for _ in range(200):
+        first = rng.randrange(low, high - count)
+        sockets = []
+        try:
+            for port in range(first, first + count):
+                s = socket.socket()
+                sockets.append(s)
+                s.bind(("0.0.0.0", port))
+            return first
+        except OSError:
+            continue
+        finally:
+            for s in sockets:
+                s.close()
+    raise RuntimeError(f"no {count} consecutive free ports between {low} and {high}")
+
+
 def stack_ports_env() -> dict[str, str]:
     """Ports of a stack of its own, clear of `make local`'s and of any other stack's."""
     names = ["GRPC_PORT", "TRITON_HTTP_PORT", "TRITON_GRPC_PORT", "TRITON_METRICS_PORT",
              "SERVE_HTTP_PORT", "RAY_GCS_PORT", "RAY_DASHBOARD_PORT",
              "RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT",
              "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT", "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT"]
-    return {name: str(port) for name, port in zip(names, free_ports(len(names)), strict=True)}
+    ports = {name: str(port) for name, port in zip(names, free_ports(len(names)), strict=True)}
+    # Direct-ingress replicas' own servers, a range per stack: gRPC binds with SO_REUSEPORT, so
+    # two stacks' replicas on one port would silently share its connections.
+    for protocol in ("HTTP", "GRPC"):
+        first = free_port_range(REPLICA_PORTS)
+        ports[f"RAY_SERVE_DIRECT_INGRESS_MIN_{protocol}_PORT"] = str(first)
+        ports[f"RAY_SERVE_DIRECT_INGRESS_MAX_{protocol}_PORT"] = str(first + REPLICA_PORTS - 1)
+    return ports
 
 
 def merged_model_repository(sources: Iterable[Path]) -> Path:

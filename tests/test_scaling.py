@@ -29,12 +29,16 @@ def scaling_stack() -> Iterator[dict[str, str]]:
     assert not processes_left_behind(running.process)
 
 
-def running_replicas(ports: dict[str, str]) -> int:
+def replica_states(ports: dict[str, str]) -> list[str]:
     url = f"http://127.0.0.1:{ports['RAY_DASHBOARD_PORT']}/api/serve/applications/"
     with urllib.request.urlopen(url, timeout=10) as response:
         details = json.load(response)
     deployment = details["applications"]["triton"]["deployments"]["TritonForwarder"]
-    return sum(1 for r in deployment["replicas"] if r["state"] == "RUNNING")
+    return [r["state"] for r in deployment["replicas"]]
+
+
+def running_replicas(ports: dict[str, str]) -> int:
+    return replica_states(ports).count("RUNNING")
 
 
 def _slow(seconds: float) -> list[tc.InferInput]:
@@ -74,8 +78,10 @@ def test_replicas_follow_the_load_up_and_down_without_losing_a_call(
     scaling_stack: dict[str, str]
 ) -> None:
     url = f"localhost:{scaling_stack['GRPC_PORT']}"
-    settle_by = time.monotonic() + 120  # the overload test may have scaled up: start from one
-    while running_replicas(scaling_stack) != 1:
+    # The overload test may have scaled up: start from one replica, and none still draining
+    # (direct-ingress replicas drain for at least 30 s, holding their `triton` resource).
+    settle_by = time.monotonic() + 120
+    while replica_states(scaling_stack) != ["RUNNING"]:
         assert time.monotonic() < settle_by, "never settled at one replica"
         time.sleep(1)
     timeline: list[tuple[float, int]] = []
