@@ -191,8 +191,8 @@ def _replica_grpc_port(dashboard_port: int, ports: dict[str, str]) -> int | None
         return None
     low = int(ports.get("RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT", "40000"))
     high = int(ports.get("RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT", "41000"))
-    ports = [port for port in _listening_ports(pid) if low <= port <= high]
-    return min(ports) if ports else None
+    listening = [port for port in _listening_ports(pid) if low <= port <= high]
+    return min(listening) if listening else None
 
 
 def _listening_ports(pid: int) -> set[int]:
