@@ -1,7 +1,7 @@
 """The pods' `readOnlyRootFilesystem: true` (base/rayservice.yaml), tried on this machine: the
 whole stack (Ray, Serve's proxy and replica, Triton with its python backend) runs in a mount
-namespace whose root filesystem is read-only, with only what the pods mount writable: a fresh
-/tmp (the emptyDir) and /dev/shm. HOME is the read-only root, as /home/ray is in the pod, and
+namespace whose root filesystem is read-only, with only what the pods mount writable: /tmp
+(the emptyDir) and /dev/shm. HOME is the read-only root, as /home/ray is in the pod, and
 the models come from the repository's own read-only directory, as from CVMFS."""
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from tests.local_stack_process import EXAMPLE_MODELS, RunningStack, processes_le
 
 READ_ONLY_ROOT = [
     "unshare", "--mount", "--propagation", "private", "sh", "-c",
-    'mount -o remount,bind,ro / && mount -t tmpfs -o size=4g tmpfs /tmp && exec "$@"',
+    # /tmp made a mount of its own first stays writable (the pods' emptyDir); so does /dev/shm.
+    'mount --bind /tmp /tmp && mount -o remount,bind,ro / && exec "$@"',
     "read-only-root",
 ]
 
@@ -36,18 +37,19 @@ def read_only_stack() -> Iterator[RunningStack]:
     assert not processes_left_behind(running.process)
 
 
-def _root_of(pid: int) -> tuple[str, Path]:
-    """The options of `/` as process `pid` sees it, and its /tmp seen from here."""
+def _root_options(pid: int) -> str:
+    """The mount options of `/` as process `pid` sees it."""
     for line in Path(f"/proc/{pid}/mounts").read_text().splitlines():
         _, target, _, options, *_ = line.split()
         if target == "/":
-            root_options = options
-    return root_options, Path(f"/proc/{pid}/root/tmp")
+            return options
+    raise AssertionError(f"no / in /proc/{pid}/mounts")
 
 
 def test_the_stack_serves_with_a_read_only_root(read_only_stack: RunningStack) -> None:
-    options, tmp = _root_of(read_only_stack.process.ray_pid())
+    options = _root_options(read_only_stack.process.ray_pid())
     assert options.split(",")[0] == "ro", "the stack did not run on a read-only root"
+    workdir = Path(read_only_stack.process.wait_for_line(r"log: (\S+)/ray\.log", 1).group(1))
 
     client = tc.InferenceServerClient(read_only_stack.url("GRPC_PORT"))
     data = np.arange(16, dtype=np.int32).reshape(1, 16)
@@ -72,8 +74,8 @@ def test_the_stack_serves_with_a_read_only_root(read_only_stack: RunningStack) -
     assert [int(r.as_numpy("OUT")[0]) for r in got] == [4, 2, 0]  # type: ignore[attr-defined]
 
     # Nothing failed quietly on the way: no component logged a write refused by the root.
-    logs = [p for p in tmp.rglob("*.log") if p.is_file()] + \
-           [p for p in tmp.rglob("*.err") if p.is_file()] + [p for p in tmp.rglob("*.out") if p.is_file()]
+    logs = [p for pattern in ("*.log", "*.err", "*.out") for p in workdir.rglob(pattern)
+            if p.is_file()]
     assert any(p.name == "triton.log" for p in logs) and len(logs) > 5, logs
     for path in logs:
         text = path.read_text(errors="replace")

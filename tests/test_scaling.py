@@ -95,7 +95,7 @@ def test_replicas_follow_the_load_up_and_down_without_losing_a_call(
         stop_heavy = start + 25
         stop_all = start + 75
 
-        async def worker(until: float) -> None:
+        async def worker(until: float, pause_s: float = 0.0) -> None:
             nonlocal calls
             while time.monotonic() < until:
                 calls += 1
@@ -103,6 +103,7 @@ def test_replicas_follow_the_load_up_and_down_without_losing_a_call(
                     await client.infer("slow", _slow(0.3), client_timeout=60)
                 except InferenceServerException as error:
                     failures.append(f"{error.status()}: {error.message()}")
+                await asyncio.sleep(pause_s)
 
         async def watch() -> None:
             while time.monotonic() < stop_all:
@@ -112,9 +113,10 @@ def test_replicas_follow_the_load_up_and_down_without_losing_a_call(
 
         try:
             # Four callers drive three replicas up; one caller keeps calls in flight while
-            # the others stop and Serve drains replicas away.
-            await asyncio.gather(*(worker(stop_heavy) for _ in range(4)), worker(stop_all),
-                                 watch())
+            # the others stop and Serve drains replicas away, pausing between calls so that
+            # its load (about half a call in flight) asks for one replica.
+            await asyncio.gather(*(worker(stop_heavy) for _ in range(4)),
+                                 worker(stop_all, pause_s=0.3), watch())
         finally:
             await client.close()
 

@@ -111,8 +111,8 @@ def test_a_rotated_secret_takes_effect_without_a_restart(auth_stack: AuthStack) 
     staged.write_text(f"{ROTATED}\n")
     staged.replace(auth_stack.tokens_file)
     deadline = time.monotonic() + 30
-    while _infer(auth_stack.url, ROTATED) != "OK":
-        assert time.monotonic() < deadline, "the new token was never accepted"
+    while (outcome := _infer(auth_stack.url, ROTATED)) != "OK":
+        assert time.monotonic() < deadline, f"the new token was never accepted: {outcome}"
         time.sleep(0.5)
     assert _infer(auth_stack.url, FIRST).startswith("StatusCode.UNAUTHENTICATED")
 
