@@ -33,8 +33,8 @@ RESULTS = Path(__file__).resolve().parent.parent / "bench-results"
 MIB = 1 << 20
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
-# Ray environment per ingress mode; "default" is what serve/ray-env.env sets (HAProxy in front
-# of throughput-optimised replicas, 1 MiB buffers, 256 KiB h2 windows).
+# Ray environment per ingress mode; "default" is what serve/ray-env.env sets (the classic gRPC
+# proxy talking gRPC to the replicas).
 MODES: dict[str, dict[str, str]] = {
     "default": {},
     "classic": {"RAY_SERVE_PROXY_USE_GRPC": "0", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
@@ -52,6 +52,12 @@ MODES: dict[str, dict[str, str]] = {
     "haproxy-throughput-256k": {
         "RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
         "RAY_SERVE_HAPROXY_TUNE_BUFSIZE": "262144", "RAY_SERVE_HAPROXY_H2_MAX_FRAME_SIZE": "262144",
+        "RAY_SERVE_HAPROXY_H2_FE_INITIAL_WINDOW_SIZE": "262144",
+        "RAY_SERVE_HAPROXY_H2_BE_INITIAL_WINDOW_SIZE": "262144"},
+    # components/haproxy-ingress: 1 MiB buffers, 256 KiB h2 windows.
+    "haproxy-throughput-tuned": {
+        "RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+        "RAY_SERVE_HAPROXY_TUNE_BUFSIZE": "1048576", "RAY_SERVE_HAPROXY_H2_MAX_FRAME_SIZE": "262144",
         "RAY_SERVE_HAPROXY_H2_FE_INITIAL_WINDOW_SIZE": "262144",
         "RAY_SERVE_HAPROXY_H2_BE_INITIAL_WINDOW_SIZE": "262144"},
     "direct-throughput": {"RAY_SERVE_ENABLE_HA_PROXY": "0", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"},

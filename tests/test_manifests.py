@@ -258,12 +258,12 @@ def test_triton_prestop_runs_and_waits_while_serve_grpc_listens() -> None:
     assert time.monotonic() - started < 1.5
 
 
-def test_classic_ingress_component_sets_the_ray_environment() -> None:
+def test_haproxy_ingress_component_sets_the_ray_environment() -> None:
     built = objects(build(ROOT / "tests" / "fixtures" / "components" / "all-optional"))
     (env,) = [o for o in built if o["kind"] == "ConfigMap" and o["metadata"]["name"].startswith("ray-env-")]
-    assert env["data"]["RAY_SERVE_ENABLE_HA_PROXY"] == "0"
-    assert env["data"]["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "0"
-    assert env["data"]["RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"] == "2147483647"  # the base's stay
+    assert env["data"]["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
+    assert env["data"]["RAY_SERVE_HAPROXY_TUNE_BUFSIZE"] == "1048576"
+    assert env["data"]["RAY_SERVE_PROXY_USE_GRPC"] == "1"  # the base's entries stay
     cluster = rayservice(yaml.safe_dump_all(built))["spec"]["rayClusterConfig"]
     refs = [c["envFrom"][0]["configMapRef"]["name"]
             for g in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
