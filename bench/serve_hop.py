@@ -27,6 +27,7 @@ import tritonclient.grpc as tc
 import tritonclient.grpc.aio as tc_aio
 
 from tests.local_stack_process import running_stack
+from tests.triton_inputs import simple_inputs, tensor
 from triton_forwarder.local_stack import session_members
 
 RESULTS = Path(__file__).resolve().parent.parent / "bench-results"
@@ -84,19 +85,13 @@ def _inputs(size: str) -> tuple[str, Callable[[], list[tc.InferInput]]]:
         data = np.arange(16, dtype=np.int32).reshape(1, 16)
 
         def small() -> list[tc.InferInput]:
-            inputs = [tc.InferInput("INPUT0", [1, 16], "INT32"),
-                      tc.InferInput("INPUT1", [1, 16], "INT32")]
-            inputs[0].set_data_from_numpy(data)
-            inputs[1].set_data_from_numpy(data)
-            return inputs
+            return simple_inputs(data, data)
 
         return "simple", small
-    tensor = np.ones(SIZES[size] // 4, dtype=np.float32)
+    data = np.ones(SIZES[size] // 4, dtype=np.float32)
 
     def large() -> list[tc.InferInput]:
-        one = tc.InferInput("INPUT", [tensor.size], "FP32")
-        one.set_data_from_numpy(tensor)
-        return [one]
+        return [tensor("INPUT", data, "FP32")]
 
     return "identity_fp32", large
 

@@ -146,6 +146,10 @@ class StackProcess:
     def ray_pid(self) -> int:
         return self._pid(r"starting Ray \(pid (\d+)")
 
+    def workdir(self) -> Path:
+        """The stack's work directory: its Ray session (logs included) and Triton's log."""
+        return Path(self.wait_for_line(r"log: (\S+)/ray\.log", 1).group(1))
+
     def stop(self, timeout_s: float = 90) -> int:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)

@@ -25,6 +25,7 @@ from tritonclient.grpc import service_pb2
 from tritonclient.utils import InferenceServerException
 
 from tests.conftest import MESSAGE_LIMIT, Stack
+from tests.triton_inputs import simple_inputs
 
 INFER = "/inference.GRPCInferenceService/ModelInfer"
 
@@ -145,10 +146,7 @@ def test_serve_replica_killed_under_load(stack: Stack) -> None:
 
         async def worker() -> None:
             while time.monotonic() < end:
-                inputs = [tc.InferInput("INPUT0", [1, 16], "INT32"),
-                          tc.InferInput("INPUT1", [1, 16], "INT32")]
-                inputs[0].set_data_from_numpy(a)
-                inputs[1].set_data_from_numpy(a)
+                inputs = simple_inputs(a, a)
                 started = time.monotonic()
                 try:
                     await client.infer("simple", inputs, client_timeout=10)

@@ -10,7 +10,6 @@ from typing import Any
 
 import grpc
 import numpy as np
-import numpy.typing as npt
 import pytest
 import tritonclient.grpc as tc
 import tritonclient.grpc.aio as tc_aio
@@ -19,16 +18,9 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from tests.conftest import ADMIN_METADATA, Stack
+from tests.triton_inputs import simple_inputs, tensor
 
 GIB = 1 << 30
-
-
-def simple_inputs(a: npt.NDArray[Any], b: npt.NDArray[Any]) -> list[tc.InferInput]:
-    inputs = [tc.InferInput("INPUT0", list(a.shape), "INT32"),
-              tc.InferInput("INPUT1", list(b.shape), "INT32")]
-    inputs[0].set_data_from_numpy(a)
-    inputs[1].set_data_from_numpy(b)
-    return inputs
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +36,8 @@ def stubs(stack: Stack) -> Iterator[dict[str, service_pb2_grpc.GRPCInferenceServ
 def _infer_request() -> service_pb2.ModelInferRequest:
     request = service_pb2.ModelInferRequest(model_name="simple", id="same-id")
     for name in ("INPUT0", "INPUT1"):
-        tensor = request.inputs.add(name=name, datatype="INT32", shape=[1, 16])
-        tensor.contents.int_contents.extend(range(16))
+        given = request.inputs.add(name=name, datatype="INT32", shape=[1, 16])
+        given.contents.int_contents.extend(range(16))
     return request
 
 
@@ -137,17 +129,11 @@ BAD_CALLS: dict[str, Callable[[tc.InferenceServerClient], Any]] = {
     "wrong shape": lambda c: c.infer("simple", simple_inputs(
         np.zeros((1, 15), np.int32), np.zeros((1, 15), np.int32))),
     "wrong dtype": lambda c: c.infer("simple", [
-        _input("INPUT0", np.zeros((1, 16), np.float32), "FP32"),
-        _input("INPUT1", np.zeros((1, 16), np.float32), "FP32")]),
+        tensor("INPUT0", np.zeros((1, 16), np.float32), "FP32"),
+        tensor("INPUT1", np.zeros((1, 16), np.float32), "FP32")]),
     "missing input": lambda c: c.infer("simple", [
-        _input("INPUT0", np.zeros((1, 16), np.int32), "INT32")]),
+        tensor("INPUT0", np.zeros((1, 16), np.int32), "INT32")]),
 }
-
-
-def _input(name: str, data: npt.NDArray[Any], datatype: str) -> tc.InferInput:
-    tensor = tc.InferInput(name, list(data.shape), datatype)
-    tensor.set_data_from_numpy(data)
-    return tensor
 
 
 @pytest.mark.parametrize("case", list(BAD_CALLS))
@@ -173,7 +159,7 @@ def test_malformed_request_bytes_get_triton_error(stack: Stack) -> None:
 def test_client_metadata_reaches_triton(stack: Stack) -> None:
     client = tc.InferenceServerClient(stack.serve_url)
     result = client.infer(
-        "echo_headers", [_input("INPUT", np.array([1], np.int32), "INT32")],
+        "echo_headers", [tensor("INPUT", np.array([1], np.int32), "INT32")],
         headers={"x-sonic-job": "ttbar-2026", "x-sonic-site": "purdue"},
     )
     parameters = result.as_numpy("PARAMETERS")[0].decode()
@@ -185,7 +171,7 @@ def test_client_deadline_reaches_triton(stack: Stack) -> None:
     client = tc.InferenceServerClient(stack.serve_url)
     started = time.monotonic()
     with pytest.raises(InferenceServerException) as caught:
-        client.infer("slow", [_input("SECONDS", np.array([20], np.float32), "FP32")],
+        client.infer("slow", [tensor("SECONDS", np.array([20], np.float32), "FP32")],
                      request_id="deadline-1", client_timeout=1.0)
     assert caught.value.status() == "StatusCode.DEADLINE_EXCEEDED"
     marker = stack.model_repository / "slow" / "cancelled" / "deadline-1"
@@ -198,7 +184,7 @@ def test_client_deadline_reaches_triton(stack: Stack) -> None:
 def test_large_request_passes(stack: Stack) -> None:
     data = np.arange(64 << 20, dtype=np.float32)  # 256 MiB each way
     client = tc.InferenceServerClient(stack.serve_url)
-    result = client.infer("identity_fp32", [_input("INPUT", data, "FP32")], client_timeout=300)
+    result = client.infer("identity_fp32", [tensor("INPUT", data, "FP32")], client_timeout=300)
     output = result.as_numpy("OUTPUT")
     assert output.nbytes == 256 << 20
     assert np.array_equal(output, data)
@@ -212,7 +198,7 @@ def test_hundred_concurrent_clients_all_get_their_own_answer(stack: Stack) -> No
             for round_ in range(3):
                 a = np.full((1, 16), index, dtype=np.int32)
                 b = np.full((1, 16), round_, dtype=np.int32)
-                inputs = [_input("INPUT0", a, "INT32"), _input("INPUT1", b, "INT32")]
+                inputs = [tensor("INPUT0", a, "INT32"), tensor("INPUT1", b, "INT32")]
                 result = await client.infer("simple", inputs, client_timeout=120)
                 ok &= bool(np.array_equal(result.as_numpy("OUTPUT0"), a + b))
             return ok

@@ -16,6 +16,7 @@ import pytest
 import tritonclient.grpc as tc
 
 from tests.local_stack_process import EXAMPLE_MODELS, RunningStack, processes_left_behind, running_stack
+from tests.triton_inputs import simple_inputs, tensor
 
 READ_ONLY_ROOT = [
     "unshare", "--mount", "--propagation", "private", "sh", "-c",
@@ -49,25 +50,20 @@ def _root_options(pid: int) -> str:
 def test_the_stack_serves_with_a_read_only_root(read_only_stack: RunningStack) -> None:
     options = _root_options(read_only_stack.process.ray_pid())
     assert options.split(",")[0] == "ro", "the stack did not run on a read-only root"
-    workdir = Path(read_only_stack.process.wait_for_line(r"log: (\S+)/ray\.log", 1).group(1))
+    workdir = read_only_stack.process.workdir()
 
     client = tc.InferenceServerClient(read_only_stack.url("GRPC_PORT"))
     data = np.arange(16, dtype=np.int32).reshape(1, 16)
-    inputs = [tc.InferInput("INPUT0", [1, 16], "INT32"), tc.InferInput("INPUT1", [1, 16], "INT32")]
-    inputs[0].set_data_from_numpy(data)
-    inputs[1].set_data_from_numpy(np.ones_like(data))
-    result = client.infer("simple", inputs, client_timeout=60)
+    result = client.infer("simple", simple_inputs(data, np.ones_like(data)), client_timeout=60)
     assert (result.as_numpy("OUTPUT0") == data + 1).all()
 
     replies: queue.Queue[object] = queue.Queue()
     client.start_stream(callback=lambda result, error: replies.put(error or result))
     try:
-        repeat = [tc.InferInput("IN", [3], "INT32"), tc.InferInput("DELAY", [3], "UINT32"),
-                  tc.InferInput("WAIT", [1], "UINT32")]
-        repeat[0].set_data_from_numpy(np.array([4, 2, 0], np.int32))
-        repeat[1].set_data_from_numpy(np.zeros(3, np.uint32))
-        repeat[2].set_data_from_numpy(np.zeros(1, np.uint32))
-        client.async_stream_infer("repeat_int32", repeat)
+        client.async_stream_infer("repeat_int32", [
+            tensor("IN", np.array([4, 2, 0], np.int32), "INT32"),
+            tensor("DELAY", np.zeros(3, np.uint32), "UINT32"),
+            tensor("WAIT", np.zeros(1, np.uint32), "UINT32")])
         got = [replies.get(timeout=60) for _ in range(3)]
     finally:
         client.stop_stream()

@@ -17,6 +17,7 @@ import tritonclient.grpc.aio as tc_aio
 from tritonclient.utils import InferenceServerException
 
 from tests.local_stack_process import ROOT, processes_left_behind, running_stack
+from tests.triton_inputs import tensor
 
 
 @pytest.fixture(scope="module")
@@ -42,9 +43,7 @@ def running_replicas(ports: dict[str, str]) -> int:
 
 
 def _slow(seconds: float) -> list[tc.InferInput]:
-    tensor = tc.InferInput("SECONDS", [1], "FP32")
-    tensor.set_data_from_numpy(np.array([seconds], dtype=np.float32))
-    return [tensor]
+    return [tensor("SECONDS", np.array([seconds], dtype=np.float32), "FP32")]
 
 
 def test_overload_is_refused_quickly_not_queued_forever(scaling_stack: dict[str, str]) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import queue
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +17,7 @@ import tritonclient.grpc as tc
 from tritonclient.utils import InferenceServerException
 
 from tests.local_stack_process import processes_left_behind, running_stack
+from tests.triton_inputs import tensor
 
 FIRST = "tok-first-5f1c0a"
 SECOND = "tok-second-9e27b4"
@@ -27,7 +28,7 @@ ROTATED = "tok-rotated-c83d61"
 class AuthStack:
     url: str
     tokens_file: Path
-    log_dirs: list[Path]
+    workdir: Path
 
 
 @pytest.fixture(scope="module")
@@ -38,20 +39,16 @@ def auth_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AuthStack]:
         "SONIC_RAY_AUTH_TOKENS_FILE": str(tokens_file),
         "TRITON_ARGS": "--grpc-header-forward-pattern=.*",
     }) as running:
-        workdir = Path(running.process.wait_for_line(r"log: (\S+)/ray\.log", 1).group(1))
-        yield AuthStack(running.url("GRPC_PORT"), tokens_file, [workdir])
+        yield AuthStack(running.url("GRPC_PORT"), tokens_file, running.process.workdir())
     assert not processes_left_behind(running.process)
 
 
 def _echo_inputs() -> list[tc.InferInput]:
-    tensor = tc.InferInput("INPUT", [1], "INT32")
-    tensor.set_data_from_numpy(np.array([1], np.int32))
-    return [tensor]
+    return [tensor("INPUT", np.array([1], np.int32), "INT32")]
 
 
-def _status(call: object) -> str:
+def _status(call: Callable[[], object]) -> str:
     try:
-        assert callable(call)
         call()
     except InferenceServerException as error:
         return f"{error.status()}: {error.message()}"
@@ -121,7 +118,7 @@ def test_tokens_appear_in_no_log(auth_stack: AuthStack) -> None:
     _infer(auth_stack.url, "leaked-if-logged-0d9a")  # a refused one, the likeliest to be logged
     _infer(auth_stack.url, ROTATED)
     time.sleep(2)  # Ray's log monitor writes with a delay
-    files = [p for d in auth_stack.log_dirs for p in d.rglob("*") if p.is_file()]
+    files = [p for p in auth_stack.workdir.rglob("*") if p.is_file()]
     assert len(files) > 10, "no logs found: the check would be empty"
     for path in files:
         if path.is_symlink() or path.suffix in {".sock", ".so"}:

@@ -15,16 +15,14 @@ import tritonclient.grpc.aio as tc_aio
 from tritonclient.utils import InferenceServerException
 
 from tests.conftest import Stack
+from tests.triton_inputs import simple_inputs
 
 DEADLINE_S = 10.0
 
 
 def _inputs() -> list[tc.InferInput]:
     a = np.ones((1, 16), dtype=np.int32)
-    inputs = [tc.InferInput("INPUT0", [1, 16], "INT32"), tc.InferInput("INPUT1", [1, 16], "INT32")]
-    inputs[0].set_data_from_numpy(a)
-    inputs[1].set_data_from_numpy(a)
-    return inputs
+    return simple_inputs(a, a)
 
 
 @pytest.mark.disruptive
