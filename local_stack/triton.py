@@ -1,0 +1,150 @@
+"""A real Triton per simulated pod: the server binary and python backend that the PyPI wheel
+nvidia-pytriton ships, laid out as tritonserver expects, restarted as the kubelet would."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from local_stack.processes import kill_session, spawn, terminate
+from local_stack.settings import TritonPorts
+from triton_forwarder.access import ADMIN_KEY_NAME
+
+# Triton refuses these RPC groups unless the request carries the admin header with the key:
+# defence in depth behind the data path's own refusals (serve/triton_forwarder/access.py).
+RESTRICTED = "model-repository,shared-memory,trace,logging"
+
+
+def _wheel_root() -> Path:
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("nvidia-pytriton is not installed: run `make venv` first")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def prepare_backends(into: Path) -> Path:
+    """Builds a backend directory whose python backend runs this interpreter's stub.
+
+    The stub embeds the system's libpython and ignores PYTHONPATH, so numpy (which every
+    python-backend model imports through triton_python_backend_utils) is linked in beside
+    the backend files, where the stub looks first.
+    """
+    root = _wheel_root() / "tritonserver"
+    python_dir = into / "python"
+    python_dir.mkdir(parents=True, exist_ok=True)
+    for name in ("libtriton_python.so", "triton_python_backend_utils.py"):
+        shutil.copy2(root / "backends" / "python" / name, python_dir / name)
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = root / "python_backend_stubs" / version / "triton_python_backend_stub"
+    if not stub.exists():
+        raise RuntimeError(f"nvidia-pytriton ships no python backend stub for Python {version}")
+    shutil.copy2(stub, python_dir / stub.name)
+    numpy_spec = importlib.util.find_spec("numpy")
+    if numpy_spec is not None and numpy_spec.origin is not None:
+        link = python_dir / "numpy"
+        if not link.exists():
+            link.symlink_to(Path(numpy_spec.origin).parent, target_is_directory=True)
+    return into
+
+
+def command(model_repository: Path, backends: Path, ports: TritonPorts, admin_key: str,
+            extra_args: tuple[str, ...] = ()) -> list[str]:
+    binary = _wheel_root() / "tritonserver" / "bin" / "tritonserver"
+    restricted = f"{RESTRICTED}:{ADMIN_KEY_NAME}={admin_key}"
+    return [
+        str(binary),
+        f"--model-repository={model_repository}",
+        f"--backend-directory={backends}",
+        f"--http-port={ports.http}",
+        f"--grpc-port={ports.grpc}",
+        f"--metrics-port={ports.metrics}",
+        "--exit-timeout-secs=10",
+        f"--grpc-restricted-protocol={restricted}",
+        f"--http-restricted-api={restricted}",
+        *extra_args,
+    ]
+
+
+def environment() -> dict[str, str]:
+    # The stub needs the libcudart bundled with the wheel even on CPU.
+    libs = _wheel_root().parent / "nvidia_pytriton.libs"
+    env = dict(os.environ)
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(
+        part for part in (str(libs), env.get("LD_LIBRARY_PATH", "")) if part
+    )
+    return env
+
+
+class TritonSupervisor:
+    """Runs the Triton of one simulated pod and restarts it with backoff when it exits, as the
+    kubelet would. `retire` is what a pod deletion does to Triton: out of discovery first
+    (`before_exit` waits for that), then SIGTERM, Triton finishing its calls; then a new one."""
+
+    def __init__(self, index: int, cmd: list[str], log_path: Path,
+                 say: Callable[[str], None]) -> None:
+        self.index = index
+        self._cmd = cmd
+        self.log_path = log_path
+        self._say = say
+        self._stopping = threading.Event()
+        self._retiring = threading.Event()
+        self._process: subprocess.Popen[bytes] | None = None
+        self._thread = threading.Thread(target=self._run, name=f"triton-{index}", daemon=True)
+
+    @property
+    def retiring(self) -> bool:
+        return self._retiring.is_set()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        backoff = 1.0
+        while not self._stopping.is_set():
+            started = time.monotonic()
+            self._process = spawn(self._cmd, self.log_path, environment())
+            self._say(f"triton {self.index} started (pid {self._process.pid}), "
+                      f"log: {self.log_path}")
+            code = self._process.wait()
+            # Its python-backend stubs outlive a killed Triton; a container's processes all go.
+            kill_session(self._process.pid)
+            if self._stopping.is_set():
+                return
+            if self._retiring.is_set():
+                self._say(f"triton {self.index} exited with status {code} after its drain; "
+                          "starting the pod's new Triton")
+                self._retiring.clear()
+                backoff = 1.0
+                continue
+            if time.monotonic() - started > 60:
+                backoff = 1.0
+            self._say(f"triton {self.index} exited with status {code}; restarting in "
+                      f"{backoff:.0f}s (last lines in {self.log_path})")
+            if self._stopping.wait(backoff):
+                return
+            backoff = min(backoff * 2, 30.0)
+
+    def retire(self, before_exit: Callable[[], None]) -> None:
+        """Pod deletion: marks this Triton as terminating (discovery drops it), waits for
+        `before_exit` (the preStop), then SIGTERM: Triton completes the calls it holds."""
+        self._retiring.set()
+        self._say(f"triton {self.index}: pod deleted; leaving discovery")
+        before_exit()
+        process = self._process
+        if process is not None and process.poll() is None:
+            self._say(f"triton {self.index}: out of discovery; SIGTERM, draining its calls")
+            process.terminate()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        process = self._process
+        if process is not None and process.poll() is None:
+            terminate(process, grace_s=15)
+        self._thread.join(timeout=20)
