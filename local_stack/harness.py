@@ -16,13 +16,13 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-
 from typing import Any
 
 import yaml
 
 from local_stack.ports import free_port_range, free_ports
-from local_stack.settings import DEFAULT_CONFIG, POD_PORT_STEP, ROOT
+from local_stack.ray_cluster import deploy
+from local_stack.settings import DEFAULT_CONFIG, POD_PORT_STEP, ROOT, Settings
 
 EXAMPLE_MODELS = ROOT / "serve" / "models"
 TEST_MODELS = ROOT / "tests" / "models"
@@ -152,13 +152,20 @@ class RunningStack:
     def triton_url(self, pod: int) -> str:
         return f"localhost:{int(self.ports['TRITON_GRPC_PORT']) + POD_PORT_STEP * pod}"
 
+    def redeploy(self, serve_config: Path) -> None:
+        """Deploys another Serve config in place, with this stack's ports, as KubeRay applies a
+        changed serveConfigV2."""
+        deploy(Settings.from_env({**os.environ, **self.process.env,
+                                  "SERVE_CONFIG": str(serve_config)}))
+
     def triton_metrics_url(self, pod: int) -> str:
         port = int(self.ports["TRITON_METRICS_PORT"]) + POD_PORT_STEP * pod
         return f"http://localhost:{port}/metrics"
 
 
 @contextmanager
-def running_stack(env: dict[str, str], wrapper: Sequence[str] = ()) -> Iterator[RunningStack]:
+def running_stack(env: dict[str, str], wrapper: Sequence[str] = (),
+                  ready_pattern: str = r"\bready\b") -> Iterator[RunningStack]:
     """A stack on ports of its own with a fresh copy of the example and test models, started
     (under `wrapper`, a command that execs its arguments) until `ready` and stopped with
     SIGTERM afterwards (its exit status is in `process.process.returncode`)."""
@@ -167,6 +174,7 @@ def running_stack(env: dict[str, str], wrapper: Sequence[str] = ()) -> Iterator[
     process = StackProcess({**ports, "MODEL_REPOSITORY": str(repo), **env}, wrapper)
     try:
         process.wait_for_line(r"\bready\b", timeout_s=420)
+        process.wait_for_line(ready_pattern, timeout_s=300)
         yield RunningStack(process, ports, repo)
     finally:
         process.stop()

@@ -98,10 +98,11 @@ def start_pod_node(settings: Settings, index: int, workdir: Path,
     return spawn(cmd, workdir / f"ray-pod-{index}.log", env)
 
 
-def local_serve_config(settings: Settings) -> dict[str, Any]:
-    """The Serve config file with this machine's ports. The simulated pods share one network
-    namespace, so only the head runs Serve's proxies (every pod would bind the same ports)."""
-    config: dict[str, Any] = yaml.safe_load(settings.serve_config.read_text())
+def local_serve_config(settings: Settings, path: Path | None = None) -> dict[str, Any]:
+    """A Serve config file (SERVE_CONFIG unless `path` names another) with this machine's
+    ports. The simulated pods share one network namespace, so only the head runs Serve's
+    proxies (every pod would bind the same ports)."""
+    config: dict[str, Any] = yaml.safe_load((path or settings.serve_config).read_text())
     config["proxy_location"] = "HeadOnly"
     config["http_options"] = {
         **config.get("http_options", {}), "host": "127.0.0.1", "port": settings.serve_http_port
@@ -109,6 +110,13 @@ def local_serve_config(settings: Settings) -> dict[str, Any]:
     serve_grpc = settings.grpc_port if settings.data_path == "serve" else settings.serve_grpc_port
     config["grpc_options"] = {**config.get("grpc_options", {}), "port": serve_grpc}
     return config
+
+
+def deploy(settings: Settings, path: Path | None = None) -> None:
+    """PUTs the Serve config to the dashboard's REST API, as KubeRay does."""
+    # The first deploy imports Serve in the dashboard: slow on a busy 2-core machine.
+    http("PUT", f"http://127.0.0.1:{settings.dashboard_port}/api/serve/applications/",
+         local_serve_config(settings, path), timeout_s=120)
 
 
 def http(method: str, url: str, body: dict[str, Any] | None = None,

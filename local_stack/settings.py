@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shlex
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,8 +17,8 @@ DATA_PATHS = ("gateway", "serve")
 POD_PORT_STEP = 10
 
 
-def _int_env(name: str, default: int) -> int:
-    raw = os.environ.get(name, "")
+def _int_env(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(name, "")
     if not raw:
         return default
     try:
@@ -60,37 +61,37 @@ class Settings:
         return "Envoy (the gateway)" if self.data_path == "gateway" else "Serve's gRPC proxy"
 
     @classmethod
-    def from_env(cls) -> Settings:
-        data_path = os.environ.get("DATA_PATH") or "gateway"
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> Settings:
+        data_path = env.get("DATA_PATH") or "gateway"
         if data_path not in DATA_PATHS:
             raise SystemExit(f"DATA_PATH={data_path!r}: choose one of {', '.join(DATA_PATHS)}")
-        tritons = _int_env("TRITONS", 1)
+        tritons = _int_env(env, "TRITONS", 1)
         if not 1 <= tritons <= 8:
             raise SystemExit(f"TRITONS={tritons}: between 1 and 8 simulated pods")
-        repo = Path(os.environ.get("MODEL_REPOSITORY") or DEFAULT_MODELS).resolve()
+        repo = Path(env.get("MODEL_REPOSITORY") or DEFAULT_MODELS).resolve()
         if not repo.is_dir():
             raise SystemExit(f"MODEL_REPOSITORY={repo} is not a directory")
-        config = Path(os.environ.get("SERVE_CONFIG") or DEFAULT_CONFIG).resolve()
+        config = Path(env.get("SERVE_CONFIG") or DEFAULT_CONFIG).resolve()
         if not config.is_file():
             raise SystemExit(f"SERVE_CONFIG={config} is not a file")
         settings = cls(
             data_path=data_path,
             tritons=tritons,
             model_repository=repo,
-            grpc_port=_int_env("GRPC_PORT", 8001),
-            serve_grpc_port=_int_env("SERVE_GRPC_PORT", 9000),
-            serve_http_port=_int_env("SERVE_HTTP_PORT", 8000),
-            gateway_metrics_port=_int_env("GATEWAY_METRICS_PORT", 9902),
-            gateway_admin_port=_int_env("GATEWAY_ADMIN_PORT", 9901),
+            grpc_port=_int_env(env, "GRPC_PORT", 8001),
+            serve_grpc_port=_int_env(env, "SERVE_GRPC_PORT", 9000),
+            serve_http_port=_int_env(env, "SERVE_HTTP_PORT", 8000),
+            gateway_metrics_port=_int_env(env, "GATEWAY_METRICS_PORT", 9902),
+            gateway_admin_port=_int_env(env, "GATEWAY_ADMIN_PORT", 9901),
             triton_base=TritonPorts(
-                http=_int_env("TRITON_HTTP_PORT", 8100),
-                grpc=_int_env("TRITON_GRPC_PORT", 8101),
-                metrics=_int_env("TRITON_METRICS_PORT", 8102),
+                http=_int_env(env, "TRITON_HTTP_PORT", 8100),
+                grpc=_int_env(env, "TRITON_GRPC_PORT", 8101),
+                metrics=_int_env(env, "TRITON_METRICS_PORT", 8102),
             ),
-            gcs_port=_int_env("RAY_GCS_PORT", 6379),
-            dashboard_port=_int_env("RAY_DASHBOARD_PORT", 8265),
+            gcs_port=_int_env(env, "RAY_GCS_PORT", 6379),
+            dashboard_port=_int_env(env, "RAY_DASHBOARD_PORT", 8265),
             serve_config=config,
-            triton_args=tuple(shlex.split(os.environ.get("TRITON_ARGS", ""))),
+            triton_args=tuple(shlex.split(env.get("TRITON_ARGS", ""))),
         )
         settings.check_ports()
         return settings

@@ -161,9 +161,10 @@ class LocalStack:
         s = self.settings
         say(f"data path: {s.data_path}; {s.tritons} simulated pod(s); "
             f"model repository: {s.model_repository}")
+        self._start_ray()
+        # After Ray: a raylet has 30 s to register, which Tritons loading on two cores can eat.
         for supervisor in self.tritons:
             supervisor.start()
-        self._start_ray()
         if s.data_path == "gateway":
             self._start_gateway()
         self._deploy_serve()
@@ -191,10 +192,24 @@ class LocalStack:
 
         _wait("Ray to start", dashboard_up, 180, self.alive)
         for i in range(s.tritons):
-            node = ray_cluster.start_pod_node(s, i, self.workdir, self.admin_key)
-            self.pod_nodes.append(node)
-            say(f"pod {i}: Ray node started (pid {node.pid}) beside Triton {i} "
-                f"(gRPC {s.triton(i).grpc})")
+            self.pod_nodes.append(self._start_pod_node(i))
+
+    def _start_pod_node(self, index: int) -> subprocess.Popen[bytes]:
+        """One at a time, and again if it timed out registering on a busy machine."""
+        s = self.settings
+        log = self.workdir / f"ray-pod-{index}.log"
+        for attempt in range(3):
+            node = ray_cluster.start_pod_node(s, index, self.workdir, self.admin_key)
+            deadline = time.monotonic() + 120
+            while node.poll() is None and time.monotonic() < deadline:
+                if "Ray runtime started." in log.read_text(errors="replace"):
+                    say(f"pod {index}: Ray node started (pid {node.pid}) beside Triton {index} "
+                        f"(gRPC {s.triton(index).grpc})")
+                    return node
+                time.sleep(0.5)
+            terminate(node, grace_s=10)
+            say(f"pod {index}: Ray node did not start (attempt {attempt + 1}); see {log}")
+        raise SystemExit(f"pod {index}'s Ray node never started; see {log}")
 
     def _start_gateway(self) -> None:
         s = self.settings
@@ -210,9 +225,7 @@ class LocalStack:
     def _deploy_serve(self) -> None:
         say("Ray is up; deploying the Serve config")
         try:
-            # The first deploy imports Serve in the dashboard: slow on a busy 2-core machine.
-            ray_cluster.http("PUT", f"{self.dashboard}/api/serve/applications/",
-                             ray_cluster.local_serve_config(self.settings), timeout_s=120)
+            ray_cluster.deploy(self.settings)
         except urllib.error.HTTPError as error:
             raise SystemExit(f"Ray refused the Serve config: {error.read().decode()}") from None
         except (urllib.error.URLError, OSError) as error:

@@ -1,5 +1,6 @@
-"""One real stack (Triton from the nvidia-pytriton wheel, Ray Serve, the forwarder) per test
-session, on ports of its own so that a running `make local` is left alone."""
+"""One real stack per data path and test session (Triton from the nvidia-pytriton wheel, Ray
+Serve, and Envoy on the gateway path), on ports of its own so that a running `make local` is
+left alone. Tests that take `stack` run against both data paths."""
 
 from __future__ import annotations
 
@@ -9,17 +10,21 @@ from pathlib import Path
 
 import pytest
 
-from tests.local_stack_process import StackProcess, processes_left_behind, running_stack
+from local_stack.harness import RunningStack, StackProcess, processes_left_behind, running_stack
+from triton_forwarder.access import ADMIN_HEADER
 
 MESSAGE_LIMIT = 300 << 20
 ADMIN_KEY = "test-admin-key"
-ADMIN_METADATA = (("triton-grpc-protocol-sonic-ray-admin", ADMIN_KEY),)
+ADMIN_METADATA = ((ADMIN_HEADER, ADMIN_KEY),)
+DATA_PATHS = ["gateway", "serve"]
 
 
 @dataclass
 class Stack:
+    data_path: str
     process: StackProcess
-    serve_url: str
+    running: RunningStack
+    url: str  # the clients' endpoint: Envoy, or Serve's gRPC proxy
     triton_url: str
     model_repository: Path
 
@@ -28,15 +33,21 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "disruptive: kills part of the shared stack; runs after the other tests"
     )
+    config.addinivalue_line("markers", "stack: starts a real stack (make unit skips these)")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "stack" in getattr(item, "fixturenames", ()) or item.get_closest_marker("disruptive"):
+            item.add_marker(pytest.mark.stack)
     items.sort(key=lambda item: item.get_closest_marker("disruptive") is not None)
 
 
-@pytest.fixture(scope="session")
-def stack() -> Iterator[Stack]:
+@pytest.fixture(scope="session", params=DATA_PATHS)
+def stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
+    data_path: str = request.param
     with running_stack({
+        "DATA_PATH": data_path,
         "TRITON_ARGS": "--grpc-header-forward-pattern=x-sonic-.*",
         # A size limit that a test can exceed without sending 2 GiB (see test_faults.py).
         "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE": str(MESSAGE_LIMIT),
@@ -44,8 +55,8 @@ def stack() -> Iterator[Stack]:
         # Known to the tests, to call Triton's restricted RPCs directly for comparison.
         "SONIC_RAY_ADMIN_KEY": ADMIN_KEY,
     }) as running:
-        yield Stack(running.process, running.url("GRPC_PORT"), running.url("TRITON_GRPC_PORT"),
-                    running.model_repository)
+        yield Stack(data_path, running.process, running, running.url("GRPC_PORT"),
+                    running.url("TRITON_GRPC_PORT"), running.model_repository)
     code = running.process.process.returncode
     assert code == 0, f"the local stack exited with {code} on SIGTERM"
     left = processes_left_behind(running.process)

@@ -43,7 +43,7 @@ def _raw_call(url: str, payload: bytes) -> tuple[Any, str]:
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(payload=st.binary(max_size=512))
 def test_random_bytes_get_tritons_own_answer(stack: Stack, payload: bytes) -> None:
-    assert _raw_call(stack.serve_url, payload) == _raw_call(stack.triton_url, payload)
+    assert _raw_call(stack.url, payload) == _raw_call(stack.triton_url, payload)
 
 
 request_strategy = st.builds(
@@ -67,12 +67,12 @@ def test_random_infer_requests_get_tritons_own_answer(
     stack: Stack, request: service_pb2.ModelInferRequest
 ) -> None:
     payload = request.SerializeToString()
-    through, direct = _raw_call(stack.serve_url, payload), _raw_call(stack.triton_url, payload)
+    through, direct = _raw_call(stack.url, payload), _raw_call(stack.triton_url, payload)
     assert through == direct
 
 
 def test_stack_still_serves_after_the_fuzzing(stack: Stack) -> None:
-    assert tc.InferenceServerClient(stack.serve_url).is_model_ready("simple")
+    assert tc.InferenceServerClient(stack.url).is_model_ready("simple")
 
 
 def test_request_over_the_size_limit_is_refused_clearly(stack: Stack) -> None:
@@ -81,7 +81,7 @@ def test_request_over_the_size_limit_is_refused_clearly(stack: Stack) -> None:
     tensor.set_data_from_numpy(data)
     started = time.monotonic()
     with pytest.raises(InferenceServerException) as caught:
-        tc.InferenceServerClient(stack.serve_url).infer("identity_fp32", [tensor],
+        tc.InferenceServerClient(stack.url).infer("identity_fp32", [tensor],
                                                         client_timeout=120)
     assert caught.value.status() == "StatusCode.RESOURCE_EXHAUSTED"
     assert re.search(r"larger than max \(\d+ vs\. \d+\)", caught.value.message())
@@ -104,7 +104,7 @@ def test_triton_port_refuses_admin_rpcs_without_the_forwarders_key(stack: Stack)
 
 def test_client_cancelling_a_stream_cancels_it_in_triton(stack: Stack) -> None:
     responses: queue.Queue[Any] = queue.Queue()
-    client = tc.InferenceServerClient(stack.serve_url)
+    client = tc.InferenceServerClient(stack.url)
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
     count = tc.InferInput("COUNT", [1], "INT32")
     count.set_data_from_numpy(np.array([300], dtype=np.int32))
@@ -141,7 +141,7 @@ def test_serve_replica_killed_under_load(stack: Stack) -> None:
     a = np.ones((1, 16), dtype=np.int32)
 
     async def load(seconds: float) -> None:
-        client = tc_aio.InferenceServerClient(stack.serve_url)
+        client = tc_aio.InferenceServerClient(stack.url)
         end = time.monotonic() + seconds
 
         async def worker() -> None:

@@ -26,7 +26,7 @@ GIB = 1 << 30
 @pytest.fixture(scope="module")
 def stubs(stack: Stack) -> Iterator[dict[str, service_pb2_grpc.GRPCInferenceServiceStub]]:
     options = [("grpc.max_send_message_length", GIB), ("grpc.max_receive_message_length", GIB)]
-    channels = {"serve": grpc.insecure_channel(stack.serve_url, options=options),
+    channels = {"through": grpc.insecure_channel(stack.url, options=options),
                 "triton": grpc.insecure_channel(stack.triton_url, options=options)}
     yield {name: service_pb2_grpc.GRPCInferenceServiceStub(ch) for name, ch in channels.items()}
     for channel in channels.values():
@@ -59,14 +59,14 @@ def test_unary_rpc_answers_as_triton_does(
 ) -> None:
     # Triton's own port wants the key for the repository group, as the forwarder sends it.
     direct = getattr(stubs["triton"], method)(make_request(), timeout=30, metadata=ADMIN_METADATA)
-    through = getattr(stubs["serve"], method)(make_request(), timeout=30)
+    through = getattr(stubs["through"], method)(make_request(), timeout=30)
     assert through == direct
     assert direct.ByteSize() > 0 or method in ("ServerLive", "ServerReady")
 
 
 def test_model_statistics_answer_as_triton_does(stubs: dict[str, Any]) -> None:
     request = service_pb2.ModelStatisticsRequest(name="simple")
-    through = stubs["serve"].ModelStatistics(request, timeout=30)
+    through = stubs["through"].ModelStatistics(request, timeout=30)
     direct = stubs["triton"].ModelStatistics(request, timeout=30)
     # Counters move between the two calls; the shape and the models must not differ.
     assert [(s.name, s.version) for s in through.model_stats] == [
@@ -77,7 +77,7 @@ def test_model_statistics_answer_as_triton_does(stubs: dict[str, Any]) -> None:
 
 
 def test_tritonclient_infer_through_serve(stack: Stack) -> None:
-    client = tc.InferenceServerClient(stack.serve_url)
+    client = tc.InferenceServerClient(stack.url)
     a = np.arange(16, dtype=np.int32).reshape(1, 16)
     b = np.ones((1, 16), dtype=np.int32)
     result = client.infer("simple", simple_inputs(a, b))
@@ -87,7 +87,7 @@ def test_tritonclient_infer_through_serve(stack: Stack) -> None:
 
 @pytest.mark.parametrize("algorithm", ["gzip", "deflate"])
 def test_compressed_requests_pass(stack: Stack, algorithm: str) -> None:
-    client = tc.InferenceServerClient(stack.serve_url)
+    client = tc.InferenceServerClient(stack.url)
     a = np.full((1, 16), 7, dtype=np.int32)
     result = client.infer("simple", simple_inputs(a, a), compression_algorithm=algorithm)
     np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a * 2)
@@ -95,7 +95,7 @@ def test_compressed_requests_pass(stack: Stack, algorithm: str) -> None:
 
 def test_decoupled_model_streams_every_response(stack: Stack) -> None:
     responses: queue.Queue[tuple[Any, Any]] = queue.Queue()
-    client = tc.InferenceServerClient(stack.serve_url)
+    client = tc.InferenceServerClient(stack.url)
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
     count = 12
     inputs = [tc.InferInput("IN", [count], "INT32"), tc.InferInput("DELAY", [count], "UINT32"),
@@ -139,7 +139,7 @@ BAD_CALLS: dict[str, Callable[[tc.InferenceServerClient], Any]] = {
 @pytest.mark.parametrize("case", list(BAD_CALLS))
 def test_errors_reach_the_client_as_triton_gives_them(stack: Stack, case: str) -> None:
     direct = _error(stack.triton_url, BAD_CALLS[case])
-    through = _error(stack.serve_url, BAD_CALLS[case])
+    through = _error(stack.url, BAD_CALLS[case])
     assert through == direct
     assert direct[0] != "StatusCode.OK"
 
@@ -152,12 +152,12 @@ def test_malformed_request_bytes_get_triton_error(stack: Stack) -> None:
                 infer(b"\xff\xff\xff\xff not a protobuf", timeout=10)
             return caught.value
 
-    direct, through = call(stack.triton_url), call(stack.serve_url)
+    direct, through = call(stack.triton_url), call(stack.url)
     assert (through.code(), through.details()) == (direct.code(), direct.details())
 
 
 def test_client_metadata_reaches_triton(stack: Stack) -> None:
-    client = tc.InferenceServerClient(stack.serve_url)
+    client = tc.InferenceServerClient(stack.url)
     result = client.infer(
         "echo_headers", [tensor("INPUT", np.array([1], np.int32), "INT32")],
         headers={"x-sonic-job": "ttbar-2026", "x-sonic-site": "purdue"},
@@ -168,7 +168,7 @@ def test_client_metadata_reaches_triton(stack: Stack) -> None:
 
 
 def test_client_deadline_reaches_triton(stack: Stack) -> None:
-    client = tc.InferenceServerClient(stack.serve_url)
+    client = tc.InferenceServerClient(stack.url)
     started = time.monotonic()
     with pytest.raises(InferenceServerException) as caught:
         client.infer("slow", [tensor("SECONDS", np.array([20], np.float32), "FP32")],
@@ -183,7 +183,7 @@ def test_client_deadline_reaches_triton(stack: Stack) -> None:
 
 def test_large_request_passes(stack: Stack) -> None:
     data = np.arange(64 << 20, dtype=np.float32)  # 256 MiB each way
-    client = tc.InferenceServerClient(stack.serve_url)
+    client = tc.InferenceServerClient(stack.url)
     result = client.infer("identity_fp32", [tensor("INPUT", data, "FP32")], client_timeout=300)
     output = result.as_numpy("OUTPUT")
     assert output.nbytes == 256 << 20
@@ -192,7 +192,7 @@ def test_large_request_passes(stack: Stack) -> None:
 
 def test_hundred_concurrent_clients_all_get_their_own_answer(stack: Stack) -> None:
     async def one_client(index: int) -> bool:
-        client = tc_aio.InferenceServerClient(stack.serve_url)
+        client = tc_aio.InferenceServerClient(stack.url)
         try:
             ok = True
             for round_ in range(3):
@@ -225,8 +225,8 @@ REFUSED: dict[str, Callable[[tc.InferenceServerClient], Any]] = {
 
 @pytest.mark.parametrize("rpc", list(REFUSED))
 def test_load_balancer_hazards_are_refused_and_the_model_stays(stack: Stack, rpc: str) -> None:
-    status, message = _error(stack.serve_url, REFUSED[rpc])
+    status, message = _error(stack.url, REFUSED[rpc])
     assert status == "StatusCode.PERMISSION_DENIED"
     assert message.startswith(f"{rpc} is refused by this endpoint")
     assert "allowed_admin_rpcs" in message
-    assert tc.InferenceServerClient(stack.serve_url).is_model_ready("simple")
+    assert tc.InferenceServerClient(stack.url).is_model_ready("simple")

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as tc
 
-from tests.local_stack_process import EXAMPLE_MODELS, RunningStack, processes_left_behind, running_stack
+from local_stack.harness import EXAMPLE_MODELS, RunningStack, processes_left_behind, running_stack
 from tests.triton_inputs import simple_inputs, tensor
 
 READ_ONLY_ROOT = [

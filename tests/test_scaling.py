@@ -16,7 +16,7 @@ import tritonclient.grpc as tc
 import tritonclient.grpc.aio as tc_aio
 from tritonclient.utils import InferenceServerException
 
-from tests.local_stack_process import ROOT, processes_left_behind, running_stack
+from local_stack.harness import ROOT, processes_left_behind, running_stack
 from tests.triton_inputs import tensor
 
 

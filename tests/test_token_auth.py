@@ -16,7 +16,7 @@ import pytest
 import tritonclient.grpc as tc
 from tritonclient.utils import InferenceServerException
 
-from tests.local_stack_process import processes_left_behind, running_stack
+from local_stack.harness import processes_left_behind, running_stack
 from tests.triton_inputs import tensor
 
 FIRST = "tok-first-5f1c0a"

@@ -32,7 +32,7 @@ def test_triton_killed_under_load_calls_end_with_a_status_then_recover(stack: St
     killed_at = 0.0
 
     async def load(seconds: float) -> None:
-        client = tc_aio.InferenceServerClient(stack.serve_url)
+        client = tc_aio.InferenceServerClient(stack.url)
         end = time.monotonic() + seconds
 
         async def worker() -> None:
@@ -84,6 +84,6 @@ def test_triton_killed_under_load_calls_end_with_a_status_then_recover(stack: St
         "StatusCode.DEADLINE_EXCEEDED"}
     assert recovered, "no call succeeded after Triton came back"
     for _ in range(20):
-        result = tc.InferenceServerClient(stack.serve_url).infer("simple", _inputs(),
+        result = tc.InferenceServerClient(stack.url).infer("simple", _inputs(),
                                                                   client_timeout=30)
         np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), np.full((1, 16), 2))

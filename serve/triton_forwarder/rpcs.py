@@ -63,6 +63,7 @@ REFUSABLE: frozenset[str] = frozenset(rpc.name for rpc in RPCS if rpc.refusal)
 def refusal_message(rpc: Rpc) -> str:
     return (
         f"{rpc.name} is refused by this endpoint: {rpc.refusal}. An operator who wants it "
-        f'anyway adds "{rpc.name}" to allowed_admin_rpcs in the forwarder application\'s '
-        "args in the Serve config."
+        f'anyway adds "{rpc.name}" to allowed_admin_rpcs in the application\'s args in the '
+        "Serve config, which both data paths follow (make gateway-config writes the gateway's "
+        "routes from it)."
     )
