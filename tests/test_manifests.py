@@ -47,17 +47,24 @@ def test_the_real_sites_and_local_are_all_there() -> None:
     assert {o.name for o in OVERLAYS} >= {"purdue-af", "nautilus", "local"}
 
 
-@pytest.mark.parametrize("overlay", ["purdue-af", "nautilus"])
-def test_sites_embed_the_serve_config_of_serve_dir(overlay: str) -> None:
+@pytest.mark.parametrize("overlay", ["purdue-af", "nautilus", "local"])
+def test_overlays_embed_the_serve_config_of_serve_dir(overlay: str) -> None:
     spec = rayservice(build(ROOT / "overlays" / overlay))["spec"]
     assert spec["serveConfigV2"] == (ROOT / "serve" / "serve-config.yaml").read_text()
 
 
-def test_an_overlays_own_serve_config_wins() -> None:
-    spec = rayservice(build(ROOT / "overlays" / "local"))["spec"]
-    assert spec["serveConfigV2"] == (ROOT / "overlays" / "local" / "serve-config.yaml").read_text()
-    config = yaml.safe_load(spec["serveConfigV2"])
-    assert config["applications"][0]["deployments"][0]["autoscaling_config"]["max_replicas"] == 2
+@pytest.mark.parametrize("overlay", ["purdue-af", "nautilus", "local"])
+def test_gateway_mounts_the_envoy_config_of_gateway_dir(overlay: str) -> None:
+    built = objects(build(ROOT / "overlays" / overlay))
+    (config,) = [o for o in built if o["kind"] == "ConfigMap"
+                 and o["metadata"]["name"].startswith("gateway-envoy-")]
+    assert config["data"]["envoy.yaml"] == (ROOT / "gateway" / "envoy.yaml").read_text()
+    (gateway,) = [o for o in built if o["kind"] == "Deployment"]
+    volumes = gateway["spec"]["template"]["spec"]["volumes"]
+    assert {"name": "config", "configMap": {"name": config["metadata"]["name"]}} in volumes
+    (client,) = [o for o in built if o["kind"] == "Service" and o["metadata"]["name"] == "triton-grpc"]
+    assert client["spec"]["selector"] == gateway["spec"]["selector"]["matchLabels"]
+    assert "serveService" not in rayservice(yaml.safe_dump_all(built))["spec"]
 
 
 def test_forwarder_code_is_mounted_from_a_generated_configmap() -> None:
@@ -90,13 +97,14 @@ def test_purdue_overlay_is_the_site() -> None:
     assert len([a for a in triton["args"] if a.startswith("--model-repository=/cvmfs/")]) == 4
     assert pod["nodeSelector"] == {"cms-af-prod": "true"}
     assert pod["tolerations"][0]["value"] == "cms-af"
-    assert service["serveService"]["spec"]["type"] == "LoadBalancer"
-    assert service["serveService"]["metadata"]["annotations"] == {
+    (client,) = [o for o in built if o["kind"] == "Service" and o["metadata"]["name"] == "triton-grpc"]
+    assert client["spec"]["type"] == "LoadBalancer"
+    assert client["metadata"]["annotations"] == {
         "metallb.universe.tf/address-pool": "geddes-private-pool"}
     assert pod["containers"][0]["image"].startswith(
         "geddes-registry.rcac.purdue.edu/docker-hub-cache/rayproject/ray:2.60.0")
-    metrics = [o for o in built if o["kind"] == "Service"]
-    assert metrics and all(o["metadata"]["labels"]["scrape_metrics"] == "true" for o in metrics)
+    metrics = [o for o in built if o["kind"] == "Service" and "metrics" in o["metadata"]["name"]]
+    assert len(metrics) == 3 and all(o["metadata"]["labels"]["scrape_metrics"] == "true" for o in metrics)
     models = next(v for v in pod["volumes"] if v["name"] == "models")
     assert models["persistentVolumeClaim"]["claimName"] == "cvmfs"
     mount = next(m for m in triton["volumeMounts"] if m["name"] == "models")
@@ -233,28 +241,32 @@ def test_generator_makes_a_crd_strict_where_it_lists_properties(tmp_path: Path) 
     assert len(schema["x-sha256"]) == 64
 
 
-def test_triton_prestop_runs_and_waits_while_serve_grpc_listens() -> None:
+def test_triton_prestop_waits_for_discovery_then_while_serve_grpc_listens() -> None:
     import socket
-    import threading
     import time
 
     pod = rayservice(build(ROOT / "overlays" / "local"))["spec"]["rayClusterConfig"][
         "workerGroupSpecs"][0]["template"]["spec"]
     command = pod["containers"][1]["lifecycle"]["preStop"]["exec"]["command"]
     assert command[0] == "/bin/sh"  # exec form, with a shell the Triton image has
+    # First a fixed 10 s for the gateway to drop the pod (endpoints, CoreDNS TTL, Envoy's
+    # refresh); the loop after it is run here as it is, on a port of the test's own.
+    script = command[2]
+    assert script.startswith("sleep 10; i=10; while [ $i -lt 25 ]")
     listener = socket.socket(socket.AF_INET6)
-    try:
-        listener.bind(("::", 9000))
-    except OSError:
-        pytest.skip("port 9000 is taken on this machine")
+    listener.bind(("::", 0))
     listener.listen()
-    threading.Timer(2.0, listener.close).start()
+    port = listener.getsockname()[1]
+    loop = script.removeprefix("sleep 10; ").replace(":2328 ", f":{port:04X} ").replace("i=10", "i=0")
+    waiting = subprocess.Popen([command[0], command[1], loop])
+    try:
+        time.sleep(1.5)
+        assert waiting.poll() is None, "the preStop did not wait while the port listened"
+    finally:
+        listener.close()
+    assert waiting.wait(timeout=5) == 0
     started = time.monotonic()
-    subprocess.run(command, check=True, timeout=40)
-    waited = time.monotonic() - started
-    assert 1.5 < waited < 10, waited
-    started = time.monotonic()
-    subprocess.run(command, check=True, timeout=40)
+    subprocess.run([command[0], command[1], loop], check=True, timeout=40)
     assert time.monotonic() - started < 1.5
 
 
