@@ -16,15 +16,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import tritonclient.grpc as tc
 import tritonclient.grpc.aio as tc_aio
 from tritonclient.utils import InferenceServerException
 
 from local_stack.harness import RunningStack, processes_left_behind, running_stack, serve_config_with
-from local_stack.ray_cluster import replicas
-from tests.triton_inputs import simple_inputs, tensor
+from tests.load import DEADLINE_S, Outcome, load, scale_cycle
+from tests.triton_inputs import tensor
 
-DEADLINE_S = 10.0
 # Quick autoscaling for a test: Triton's metrics every half second, short delays, and a low
 # queue-time target that the slow model's queue crosses with a handful of callers.
 AUTOSCALING = {"metrics_interval_s": 0.5, "look_back_period_s": 2, "upscale_delay_s": 1,
@@ -55,47 +53,9 @@ def _execution_counts(running: RunningStack) -> list[int]:
     return counts
 
 
-def _simple() -> list[tc.InferInput]:
-    a = np.ones((1, 16), dtype=np.int32)
-    return simple_inputs(a, a)
-
-
-def _slow(seconds: float) -> list[tc.InferInput]:
-    return [tensor("SECONDS", np.array([seconds], dtype=np.float32), "FP32")]
-
-
-Outcome = tuple[float, str, float]  # (started, status, seconds)
-
-
-async def _load(url: str, seconds: float, callers: int, model: str = "simple",
-                slow_s: float = 0.3) -> list[Outcome]:
-    """Callers on one channel, each calling in a loop until `seconds` have passed."""
-    outcomes: list[Outcome] = []
-    client = tc_aio.InferenceServerClient(url)
-    end = time.monotonic() + seconds
-
-    async def caller() -> None:
-        while time.monotonic() < end:
-            started = time.monotonic()
-            inputs = _slow(slow_s) if model == "slow" else _simple()
-            try:
-                await client.infer(model, inputs, client_timeout=DEADLINE_S)
-                status = "OK"
-            except InferenceServerException as error:
-                status = str(error.status())
-                await asyncio.sleep(0.1)
-            outcomes.append((started, status, time.monotonic() - started))
-
-    try:
-        await asyncio.gather(*(caller() for _ in range(callers)))
-    finally:
-        await client.close()
-    return outcomes
-
-
 def test_calls_spread_over_both_tritons(pods: RunningStack) -> None:
     before = _execution_counts(pods)
-    outcomes = asyncio.run(_load(pods.url("GRPC_PORT"), 3, 8))
+    outcomes = asyncio.run(load(pods.url("GRPC_PORT"), 3, 8))
     after = _execution_counts(pods)
     served = [a - b for a, b in zip(after, before, strict=True)]
     print(f"{len(outcomes)} calls through the gateway; Triton 0 served {served[0]}, "
@@ -155,15 +115,15 @@ def test_triton_killed_costs_only_its_calls(pods: RunningStack) -> None:
     seen = len(pods.process.lines)
     killed_at = 0.0
 
-    async def kill_under_load() -> list[Outcome]:
+    async def kill_underload() -> list[Outcome]:
         nonlocal killed_at
-        task = asyncio.ensure_future(_load(pods.url("GRPC_PORT"), 12, 8, "slow", 0.2))
+        task = asyncio.ensure_future(load(pods.url("GRPC_PORT"), 12, 8, "slow", 0.2))
         await asyncio.sleep(3)
         killed_at = time.monotonic()
         os.kill(pods.process.triton_pid(1), signal.SIGKILL)
         return await task
 
-    outcomes = asyncio.run(kill_under_load())
+    outcomes = asyncio.run(kill_underload())
     pods.process.wait_for_line(r"triton 1 exited with status -9", 30, after=seen)
     failed = [(t - killed_at, s) for t, s, _ in outcomes if s != "OK"]
     after_kill = [s for t, s, _ in outcomes if t > killed_at + 2]
@@ -183,13 +143,13 @@ def test_triton_killed_costs_only_its_calls(pods: RunningStack) -> None:
 def test_pod_removed_as_a_scale_down_loses_no_call(pods: RunningStack) -> None:
     seen = len(pods.process.lines)
 
-    async def remove_under_load() -> list[Outcome]:
-        task = asyncio.ensure_future(_load(pods.url("GRPC_PORT"), 12, 8, "slow", 0.5))
+    async def remove_underload() -> list[Outcome]:
+        task = asyncio.ensure_future(load(pods.url("GRPC_PORT"), 12, 8, "slow", 0.5))
         await asyncio.sleep(3)
         pods.process.delete_pod(1)
         return await task
 
-    outcomes = asyncio.run(remove_under_load())
+    outcomes = asyncio.run(remove_underload())
     pods.process.wait_for_line(r"triton 1: out of discovery; SIGTERM", 30, after=seen)
     exited = pods.process.wait_for_line(r"triton 1 exited with status (-?\d+) after its drain",
                                         60, after=seen)
@@ -202,11 +162,6 @@ def test_pod_removed_as_a_scale_down_loses_no_call(pods: RunningStack) -> None:
     pods.process.wait_for_line(r"gateway discovery: pods \[0, 1\]", 120, after=seen)
 
 
-def _running(running: RunningStack) -> int:
-    dashboard = f"http://127.0.0.1:{running.ports['RAY_DASHBOARD_PORT']}"
-    return [r["state"] for r in replicas(dashboard)].count("RUNNING")
-
-
 @pytest.mark.disruptive
 def test_replicas_follow_tritons_queue_time_up_and_down(
     pods: RunningStack, tmp_path: Path
@@ -217,30 +172,8 @@ def test_replicas_follow_tritons_queue_time_up_and_down(
         policy_kwargs={"target_queue_ms_per_exec": 50})
     # An in-place Serve update, as KubeRay applies a changed serveConfigV2.
     pods.redeploy(config)
-    settle_by = time.monotonic() + 120
-    while _running(pods) != 1:
-        assert time.monotonic() < settle_by, "never settled at one replica"
-        time.sleep(0.5)
-    timeline: list[tuple[float, int]] = []
-
-    async def cycle() -> list[Outcome]:
-        start = time.monotonic()
-        load = asyncio.ensure_future(_load(pods.url("GRPC_PORT"), 25, 12, "slow", 0.3))
-
-        async def watch() -> None:
-            while time.monotonic() < start + 60:
-                count = await asyncio.to_thread(_running, pods)
-                timeline.append((round(time.monotonic() - start, 1), count))
-                await asyncio.sleep(1)
-
-        await watch()
-        return await load
-
-    outcomes = asyncio.run(cycle())
+    timeline, outcomes = scale_cycle(pods)
+    assert [s for _, s, _ in outcomes if s != "OK"] == []
     counts = [count for _, count in timeline]
-    failed = [s for _, s, _ in outcomes if s != "OK"]
-    print(f"replicas over time (s, running): {timeline}; {len(outcomes)} calls, "
-          f"{len(failed)} failed")
-    assert failed == []
     assert counts[0] == 1 and max(counts) == 2, timeline
     assert counts[-1] == 1, f"never scaled back down: {timeline}"

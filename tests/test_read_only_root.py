@@ -19,7 +19,8 @@ from local_stack.harness import EXAMPLE_MODELS, RunningStack, processes_left_beh
 from tests.triton_inputs import simple_inputs, tensor
 
 READ_ONLY_ROOT = [
-    "unshare", "--mount", "--propagation", "private", "sh", "-c",
+    # A user namespace of its own: needs no privilege, so CI runs it as any user.
+    "unshare", "--user", "--map-root-user", "--mount", "--propagation", "private", "sh", "-c",
     # /tmp made a mount of its own first stays writable (the pods' emptyDir); so does /dev/shm.
     'mount --bind /tmp /tmp && mount -o remount,bind,ro / && exec "$@"',
     "read-only-root",
@@ -29,8 +30,7 @@ READ_ONLY_ROOT = [
 @pytest.fixture(scope="module")
 def read_only_stack() -> Iterator[RunningStack]:
     probe = subprocess.run([*READ_ONLY_ROOT, "true"], capture_output=True, text=True)
-    if probe.returncode != 0:
-        pytest.skip(f"no mount namespace with a read-only root here: {probe.stderr.strip()}")
+    assert probe.returncode == 0, f"no mount namespace with a read-only root: {probe.stderr}"
     with running_stack({"HOME": "/", "MODEL_REPOSITORY": str(EXAMPLE_MODELS)},
                        wrapper=READ_ONLY_ROOT) as running:
         yield running

@@ -1,14 +1,13 @@
-"""Serve's back-pressure and autoscaling with the forwarder, on a stack of their own: the local
-node advertises three `triton` resources and the Serve config has small limits and short
-delays (tests/fixtures/serve-config-scaling.yaml)."""
+"""The Serve path's back-pressure and autoscaling, on a stack of its own with two simulated
+pods: small limits refuse an overload quickly, and replicas follow Triton's queue time up and
+down without losing a call (the same policy as the gateway's, test_gateway.py)."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
-import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,38 +15,31 @@ import tritonclient.grpc as tc
 import tritonclient.grpc.aio as tc_aio
 from tritonclient.utils import InferenceServerException
 
-from local_stack.harness import ROOT, processes_left_behind, running_stack
+from local_stack.harness import RunningStack, processes_left_behind, running_stack, serve_config_with
+from tests.load import scale_cycle
+from tests.test_gateway import AUTOSCALING
 from tests.triton_inputs import tensor
 
 
 @pytest.fixture(scope="module")
-def scaling_stack() -> Iterator[dict[str, str]]:
-    with running_stack({
-        "TRITON_RESOURCES": "3",
-        "SERVE_CONFIG": str(ROOT / "tests" / "fixtures" / "serve-config-scaling.yaml"),
-    }) as running:
-        yield running.ports
+def serve_pods(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
+    config = serve_config_with(
+        tmp_path_factory.mktemp("serve-config"),
+        deployment={"max_ongoing_requests": 2, "max_queued_requests": 8,
+                    "graceful_shutdown_timeout_s": 20, "health_check_period_s": 2},
+        autoscaling={**AUTOSCALING, "min_replicas": 1, "max_replicas": 2})
+    with running_stack({"DATA_PATH": "serve", "TRITONS": "2",
+                        "SERVE_CONFIG": str(config)}) as running:
+        yield running
     assert not processes_left_behind(running.process)
-
-
-def replica_states(ports: dict[str, str]) -> list[str]:
-    url = f"http://127.0.0.1:{ports['RAY_DASHBOARD_PORT']}/api/serve/applications/"
-    with urllib.request.urlopen(url, timeout=10) as response:
-        details = json.load(response)
-    deployment = details["applications"]["triton"]["deployments"]["TritonForwarder"]
-    return [r["state"] for r in deployment["replicas"]]
-
-
-def running_replicas(ports: dict[str, str]) -> int:
-    return replica_states(ports).count("RUNNING")
 
 
 def _slow(seconds: float) -> list[tc.InferInput]:
     return [tensor("SECONDS", np.array([seconds], dtype=np.float32), "FP32")]
 
 
-def test_overload_is_refused_quickly_not_queued_forever(scaling_stack: dict[str, str]) -> None:
-    url = f"localhost:{scaling_stack['GRPC_PORT']}"
+def test_overload_is_refused_quickly_not_queued_forever(serve_pods: RunningStack) -> None:
+    url = serve_pods.url("GRPC_PORT")
 
     async def burst() -> list[tuple[str, float]]:
         client = tc_aio.InferenceServerClient(url)
@@ -73,64 +65,21 @@ def test_overload_is_refused_quickly_not_queued_forever(scaling_stack: dict[str,
     assert any(status == "OK" for status, _ in outcomes)
 
 
-def test_replicas_follow_the_load_up_and_down_without_losing_a_call(
-    scaling_stack: dict[str, str]
+def test_replicas_follow_tritons_queue_time_up_and_down(
+    serve_pods: RunningStack, tmp_path: Path
 ) -> None:
-    url = f"localhost:{scaling_stack['GRPC_PORT']}"
-    # The overload test may have scaled up: start from one replica, and none still draining
-    # (direct-ingress replicas drain for at least 30 s, holding their `triton` resource).
-    settle_by = time.monotonic() + 120
-    while replica_states(scaling_stack) != ["RUNNING"]:
-        assert time.monotonic() < settle_by, "never settled at one replica"
-        time.sleep(1)
-    timeline: list[tuple[float, int]] = []
-    failures: list[str] = []
-    calls = 0
-
-    async def cycle() -> None:
-        nonlocal calls
-        client = tc_aio.InferenceServerClient(url)
-        start = time.monotonic()
-        stop_heavy = start + 25
-        stop_all = start + 75
-
-        async def worker(until: float, pause_s: float = 0.0) -> None:
-            nonlocal calls
-            while time.monotonic() < until:
-                calls += 1
-                try:
-                    await client.infer("slow", _slow(0.3), client_timeout=60)
-                except InferenceServerException as error:
-                    failures.append(f"{error.status()}: {error.message()}")
-                await asyncio.sleep(pause_s)
-
-        async def watch() -> None:
-            while time.monotonic() < stop_all:
-                replicas = await asyncio.to_thread(running_replicas, scaling_stack)
-                timeline.append((round(time.monotonic() - start, 1), replicas))
-                await asyncio.sleep(1)
-
-        try:
-            # Four callers drive three replicas up; one caller keeps calls in flight while
-            # the others stop and Serve drains replicas away, pausing between calls so that
-            # its load (about half a call in flight) asks for one replica.
-            await asyncio.gather(*(worker(stop_heavy) for _ in range(4)),
-                                 worker(stop_all, pause_s=0.3), watch())
-        finally:
-            await client.close()
-
-    asyncio.run(cycle())
-    counts = [replicas for _, replicas in timeline]
-    print("replicas over time (s, running):", timeline, "calls:", calls)
-    assert failures == [], failures[:5]
-    assert counts[0] == 1 and max(counts) == 3, timeline
-    peak = counts.index(3)
-    assert min(counts[peak:]) == 1, f"never scaled back down: {timeline}"
-    assert calls > 100
+    # Room in each replica for more calls than Triton runs at once, so they queue in Triton.
+    serve_pods.redeploy(serve_config_with(
+        tmp_path, deployment={"max_ongoing_requests": 16, "graceful_shutdown_timeout_s": 20,
+                              "health_check_period_s": 2},
+        autoscaling={**AUTOSCALING, "min_replicas": 1, "max_replicas": 2},
+        policy_kwargs={"target_queue_ms_per_exec": 50}))
+    timeline, outcomes = scale_cycle(serve_pods)
+    counts = [count for _, count in timeline]
+    assert [s for _, s, _ in outcomes if s != "OK"] == []
+    assert counts[0] == 1 and max(counts) == 2, timeline
+    assert counts[-1] == 1, f"never scaled back down: {timeline}"
 
 
-def test_scaled_stack_still_answers(scaling_stack: dict[str, str]) -> None:
-    client = tc.InferenceServerClient(f"localhost:{scaling_stack['GRPC_PORT']}")
-    assert client.is_server_ready()
-    assert running_replicas(scaling_stack) >= 1
-
+def test_scaled_stack_still_answers(serve_pods: RunningStack) -> None:
+    assert tc.InferenceServerClient(serve_pods.url("GRPC_PORT")).is_server_ready()
