@@ -3,15 +3,15 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-# Kubernetes version whose schemas kubernetes-validate checks the built objects against.
-KUBERNETES_VERSION := 1.33.0
 OVERLAYS := $(sort $(wildcard overlays/*))
 MANIFEST ?=
 
 KUBECTLS := $(VENV)/bin/kubectl $(wildcard /usr/bin/kubectl)
-CHECK := env PYTHONPATH=serve:. $(PY) -m schema.check --kubernetes-version $(KUBERNETES_VERSION)
+# The Kubernetes version whose schemas the built objects are checked against lives in
+# schema/check.py (DEFAULT_KUBERNETES_VERSION).
+CHECK := env PYTHONPATH=serve:. $(PY) -m schema.check
 
-.PHONY: venv test lint local bench validate check schemas lock clean
+.PHONY: venv test unit lint local bench validate check schemas gateway-config lock clean
 
 venv: $(VENV)/.installed
 
@@ -23,6 +23,10 @@ $(VENV)/.installed: requirements.txt
 test: venv lint
 	$(PY) -m pytest
 
+# Every test that needs no running stack: seconds, while editing.
+unit: venv
+	$(PY) -m pytest -m "not stack" -q
+
 lint: venv
 	$(PY) -m ruff check serve tests schema bench local_stack
 	$(PY) -m mypy
@@ -32,6 +36,8 @@ lint: venv
 # checks each build: invariants, KubeRay's schema, Kubernetes' schemas, the Serve config.
 validate: venv
 	$(PY) -m yamllint -s .
+	env PYTHONPATH=serve:. $(PY) -m schema.gateway_config --check
+	$(VENV)/bin/envoy --mode validate -c gateway/envoy.yaml --log-level warning
 	@mkdir -p build
 	@set -e; for overlay in $(OVERLAYS); do for kubectl in $(KUBECTLS); do \
 	  case $$kubectl in /usr/*) which=system;; *) which=pinned;; esac; \
@@ -51,7 +57,13 @@ CRD ?= ../shared/reference/kuberay-v1.7.0/ray.io_rayservices.yaml
 schemas: venv
 	$(PY) -m schema.crd_to_jsonschema $(CRD) --out schema/generated/kuberay-v1.7.0-rayservice.json
 
-# The whole stack on this machine: Triton, Ray Serve and the forwarder, until Ctrl-C.
+# Writes the gateway's refused-RPC routes from the RPC table and the Serve config's
+# allowed_admin_rpcs (gateway/envoy.yaml, between its markers).
+gateway-config: venv
+	env PYTHONPATH=serve:. $(PY) -m schema.gateway_config
+
+# The whole stack on this machine: Tritons, Ray Serve and (DATA_PATH=gateway, the default)
+# Envoy, until Ctrl-C. TRITONS=N simulated pods.
 local: venv
 	env PYTHONPATH=serve:. $(PY) -m local_stack
 
@@ -65,8 +77,8 @@ lock:
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
 
-# The cost of the Serve hop against Triton directly, same run, same client: a table, JSON and
-# a PNG plot in bench-results/. MODES="default classic haproxy ..." compares ingress modes.
-MODES ?= default
+# Each data path against Triton directly, same run, same client: a table, JSON and a PNG plot
+# in bench-results/. MODES="gateway serve classic haproxy ..." (bench/data_paths.py lists them).
+MODES ?= gateway serve
 bench: venv
-	env PYTHONPATH=serve:. $(PY) -m bench.serve_hop --modes $(MODES)
+	env PYTHONPATH=serve:. $(PY) -m bench.data_paths --modes $(MODES)

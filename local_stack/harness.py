@@ -112,9 +112,12 @@ class StackProcess:
                     )
                 self._changed.wait(min(remaining, 1.0))
 
+    def pids(self, pattern: str) -> list[int]:
+        """Every pid the stack printed in lines matching `pattern` (one group: the pid)."""
+        return [int(m.group(1)) for line in self.lines if (m := re.search(pattern, line))]
+
     def _pid(self, pattern: str) -> int:
-        pids = [int(m.group(1)) for line in self.lines if (m := re.search(pattern, line))]
-        return pids[-1]
+        return self.pids(pattern)[-1]
 
     def triton_pid(self, pod: int = 0) -> int:
         return self._pid(rf"triton {pod} started \(pid (\d+)\)")

@@ -3,7 +3,7 @@ KubeRay's RayService schema made strict, the Kubernetes schemas (strict), and ea
 serveConfigV2 against the pinned Ray's own Serve schema. One line per violation, naming the
 invariant, the object and the field; exit status 1 when any fails.
 
-    python -m schema.check [--kubernetes-version 1.33.0] MANIFEST [MANIFEST ...]   (- = stdin)
+    python -m schema.check [--kubernetes-version X.Y.Z] MANIFEST [MANIFEST ...]   (- = stdin)
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from schema.serve_config import check_serve_config
 HERE = Path(__file__).resolve().parent
 INVARIANTS = json.loads((HERE / "invariants.schema.json").read_text())
 RAYSERVICE_SCHEMA = json.loads((HERE / "generated" / "kuberay-v1.7.0-rayservice.json").read_text())
+# The Kubernetes whose schemas every built object is checked against: the one home of it.
 DEFAULT_KUBERNETES_VERSION = "1.33.0"
 
 

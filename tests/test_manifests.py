@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
-from schema.check import check_stream
+from schema.check import DEFAULT_KUBERNETES_VERSION, check_stream
 from tests.kustomize import KUBECTLS, OVERLAYS, PINNED_KUBECTL, ROOT, build
 
 FIXTURES = ROOT / "tests" / "fixtures" / "invariants"
@@ -32,7 +32,7 @@ def rayservice(text: str) -> dict[str, Any]:
 @pytest.mark.parametrize("overlay", OVERLAYS, ids=[o.name for o in OVERLAYS])
 def test_overlay_builds_and_passes_every_check(overlay: Path, kubectl: Path) -> None:
     built = build(overlay, kubectl)
-    problems, rayservices = check_stream(built, "1.33.0")
+    problems, rayservices = check_stream(built, DEFAULT_KUBERNETES_VERSION)
     assert problems == []
     assert rayservices == 1
 
@@ -130,7 +130,7 @@ def test_nautilus_overlay_is_the_site() -> None:
 
 def test_optional_components_build_together() -> None:
     built = build(ROOT / "tests" / "fixtures" / "components" / "all-optional")
-    problems, _ = check_stream(built, "1.33.0")
+    problems, _ = check_stream(built, DEFAULT_KUBERNETES_VERSION)
     assert problems == []
     triton = rayservice(built)["spec"]["rayClusterConfig"]["workerGroupSpecs"][0][
         "template"]["spec"]["containers"][1]
@@ -143,7 +143,7 @@ def test_optional_components_build_together() -> None:
 
 @pytest.mark.parametrize("invariant", INVARIANTS)
 def test_known_good_fixture_passes(invariant: str) -> None:
-    problems, _ = check_stream(build(FIXTURES / invariant / "allowed"), "1.33.0")
+    problems, _ = check_stream(build(FIXTURES / invariant / "allowed"), DEFAULT_KUBERNETES_VERSION)
     assert problems == []
 
 
@@ -151,7 +151,7 @@ def test_known_good_fixture_passes(invariant: str) -> None:
 def test_known_bad_fixture_is_refused_naming_object_and_field(invariant: str) -> None:
     name, field = (FIXTURES / invariant / "disallowed" / "expected").read_text().split("\n")[:2]
     assert name == invariant
-    problems, _ = check_stream(build(FIXTURES / invariant / "disallowed"), "1.33.0")
+    problems, _ = check_stream(build(FIXTURES / invariant / "disallowed"), DEFAULT_KUBERNETES_VERSION)
     mine = [p for p in problems if p.startswith(f"{invariant}: ")]
     assert mine, problems
     assert any(field in p and ("RayService " in p or "Service " in p) for p in mine), mine
@@ -171,7 +171,7 @@ def test_check_command_prints_a_line_per_violation_and_fails() -> None:
 
 
 def test_a_manifest_without_rayservice_is_refused() -> None:
-    problems, _ = check_stream("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: x}\n", "1.33.0")
+    problems, _ = check_stream("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: x}\n", DEFAULT_KUBERNETES_VERSION)
     assert problems == ["rayservice-present: the manifest holds no RayService"]
 
 

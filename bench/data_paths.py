@@ -1,12 +1,13 @@
-"""`make bench`: what the hop through Ray Serve costs, against Triton directly, in one run.
+"""`make bench`: what each data path costs against Triton directly, in one run.
 
-For each ingress mode asked for, starts the local stack (real Triton, real Serve), then for
-every request size and concurrency alternates direct-Triton and through-Serve measurements with
-the same client (tritonclient.grpc.aio), repeated so that machine noise cancels. Prints a table
-(req/s, p50, p99, ratio to direct), the CPU seconds per 1000 requests spent by Ray's processes
+For each mode asked for (the gateway, the Serve path, or one of the Serve path's ingress
+variants), starts the local stack (real Triton, real Serve, real Envoy), then for every request
+size and concurrency alternates direct-Triton and through-the-path measurements with the same
+client (tritonclient.grpc.aio), repeated so that machine noise cancels. Prints a table (req/s,
+p50, p99, ratio to direct), the CPU seconds per 1000 requests spent by Envoy, by Ray's processes
 and by Triton, writes the figures as JSON and a PNG plot, and stops everything it started.
 
-    python -m bench.serve_hop [--modes default classic ...] [--seconds 3] [--repeats 3]
+    python -m bench.data_paths [--modes gateway serve classic ...] [--seconds 3] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -34,10 +35,11 @@ RESULTS = Path(__file__).resolve().parent.parent / "bench-results"
 MIB = 1 << 20
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
-# Ray environment per ingress mode; "default" is what serve/ray-env.env sets (the classic gRPC
-# proxy talking gRPC to the replicas).
-MODES: dict[str, dict[str, str]] = {
-    "default": {},
+# The stack's environment per mode: "gateway" (the default data path) and "serve" (Serve's
+# classic gRPC proxy talking gRPC to the replicas, serve/ray-env.env); the others are the
+# Serve path's ingress variants measured before the gateway existed.
+SERVE_MODES: dict[str, dict[str, str]] = {
+    "serve": {},
     "classic": {"RAY_SERVE_PROXY_USE_GRPC": "0", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
                 "RAY_SERVE_ENABLE_HA_PROXY": "0", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "0"},
     "classic-grpc": {"RAY_SERVE_PROXY_USE_GRPC": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
@@ -63,6 +65,10 @@ MODES: dict[str, dict[str, str]] = {
         "RAY_SERVE_HAPROXY_H2_BE_INITIAL_WINDOW_SIZE": "262144"},
     "direct-throughput": {"RAY_SERVE_ENABLE_HA_PROXY": "0", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"},
 }
+MODES: dict[str, dict[str, str]] = {
+    "gateway": {"DATA_PATH": "gateway"},
+    **{name: {"DATA_PATH": "serve", **env} for name, env in SERVE_MODES.items()},
+}
 SIZES = {"small": 0, "1MiB": MIB, "16MiB": 16 * MIB}
 
 
@@ -71,11 +77,12 @@ class Cell:
     mode: str
     size: str
     concurrency: int
-    path: str  # "direct" or "serve"
+    path: str  # "direct", "through" (the mode's data path) or "replica" (its own port)
     rps: float
     p50_ms: float
     p99_ms: float
     errors: int
+    envoy_cpu_s_per_1k: float
     ray_cpu_s_per_1k: float
     triton_cpu_s_per_1k: float
 
@@ -96,9 +103,9 @@ def _inputs(size: str) -> tuple[str, Callable[[], list[tc.InferInput]]]:
     return "identity_fp32", large
 
 
-def _session_cpu_s(sid: int) -> float:
-    """CPU seconds (user + system: stat fields 14 and 15) of the live processes of a session."""
-    members = session_members(sid).values()
+def _cpu_s(sids: list[int]) -> float:
+    """CPU seconds (user + system: stat fields 14 and 15) of the live processes of sessions."""
+    members = [fields for sid in sids for fields in session_members(sid).values()]
     return sum(int(fields[11]) + int(fields[12]) for fields in members) / CLK_TCK
 
 
@@ -138,26 +145,29 @@ def run_mode(mode: str, sizes: list[str], concurrencies: list[int], seconds: flo
     cells: list[Cell] = []
     with running_stack(MODES[mode]) as running:
         stack = running.process
-        ray_sid, triton_sid = stack.ray_pid(), stack.triton_pid()  # each leads a session
-        urls = {"direct": running.url("TRITON_GRPC_PORT"), "serve": running.url("GRPC_PORT")}
+        # Each process the stack starts leads a session of its own.
+        ray_sids = [stack.ray_pid(), *stack.pids(r"pod \d+: Ray node started \(pid (\d+)\)")]
+        envoy_sids = stack.pids(r"Envoy started \(pid (\d+)\)")
+        triton_sid = stack.triton_pid()
+        urls = {"direct": running.url("TRITON_GRPC_PORT"), "through": running.url("GRPC_PORT")}
         replica = _replica_grpc_port(int(running.ports["RAY_DASHBOARD_PORT"]), running.ports)
         if replica:
             urls["replica"] = f"localhost:{replica}"
         for size in sizes:
             for concurrency in concurrencies:
-                samples: dict[str, list[tuple[float, list[float], int, float, float]]] = {
+                samples: dict[str, list[tuple[float, list[float], int, float, float, float]]] = {
                     path: [] for path in urls}
                 for _ in range(repeats):
                     for path, url in urls.items():
-                        ray0, tri0 = _session_cpu_s(ray_sid), _session_cpu_s(triton_sid)
+                        env0, ray0 = _cpu_s(envoy_sids), _cpu_s(ray_sids)
+                        tri0 = _cpu_s([triton_sid])
                         started = time.monotonic()
                         count, latencies, errors = asyncio.run(
                             _measure(url, size, concurrency, seconds))
                         elapsed = time.monotonic() - started
-                        ray_cpu = _session_cpu_s(ray_sid) - ray0
-                        tri_cpu = _session_cpu_s(triton_sid) - tri0
                         samples[path].append((count / elapsed, latencies, errors,
-                                              ray_cpu, tri_cpu))
+                                              _cpu_s(envoy_sids) - env0, _cpu_s(ray_sids) - ray0,
+                                              _cpu_s([triton_sid]) - tri0))
                 for path, runs in samples.items():
                     latencies = sorted(x for run in runs for x in run[1]) or [float("nan")]
                     done = sum(len(run[1]) for run in runs) or 1
@@ -167,8 +177,9 @@ def run_mode(mode: str, sizes: list[str], concurrencies: list[int], seconds: flo
                         p50_ms=1000 * latencies[len(latencies) // 2],
                         p99_ms=1000 * latencies[min(len(latencies) - 1, int(len(latencies) * .99))],
                         errors=sum(run[2] for run in runs),
-                        ray_cpu_s_per_1k=1000 * sum(run[3] for run in runs) / done,
-                        triton_cpu_s_per_1k=1000 * sum(run[4] for run in runs) / done,
+                        envoy_cpu_s_per_1k=1000 * sum(run[3] for run in runs) / done,
+                        ray_cpu_s_per_1k=1000 * sum(run[4] for run in runs) / done,
+                        triton_cpu_s_per_1k=1000 * sum(run[5] for run in runs) / done,
                     ))
                 latest = {c.path: c for c in cells[-len(urls):]}
                 print(f"  {mode:24} {size:6} c={concurrency:<3} " + " ".join(
@@ -218,9 +229,10 @@ def _listening_ports(pid: int) -> set[int]:
 
 def table(cells: list[Cell]) -> str:
     direct = {(c.mode, c.size, c.concurrency): c for c in cells if c.path == "direct"}
-    lines = ["| mode | size | conc | direct req/s | serve req/s | ratio | direct p50/p99 ms | "
-             "serve p50/p99 ms | added p50 ms | Ray CPU s/1k | Triton CPU s/1k | errors |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| mode | size | conc | direct req/s | path req/s | ratio | direct p50/p99 ms | "
+             "path p50/p99 ms | added p50 ms | Envoy CPU s/1k | Ray CPU s/1k | "
+             "Triton CPU s/1k | errors |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in cells:
         if c.path == "direct":
             continue
@@ -229,7 +241,8 @@ def table(cells: list[Cell]) -> str:
             f"| {c.mode}{'' if c.path == 'serve' else ' (' + c.path + ' port)'} | {c.size} | "
             f"{c.concurrency} | {d.rps:.0f} | {c.rps:.0f} | "
             f"{c.rps / d.rps:.2f} | {d.p50_ms:.2f}/{d.p99_ms:.1f} | {c.p50_ms:.2f}/{c.p99_ms:.1f} | "
-            f"{c.p50_ms - d.p50_ms:.2f} | {c.ray_cpu_s_per_1k:.2f} | {c.triton_cpu_s_per_1k:.2f} | "
+            f"{c.p50_ms - d.p50_ms:.2f} | {c.envoy_cpu_s_per_1k:.2f} | "
+            f"{c.ray_cpu_s_per_1k:.2f} | {c.triton_cpu_s_per_1k:.2f} | "
             f"{c.errors + d.errors} |")
     return "\n".join(lines)
 
@@ -241,7 +254,7 @@ def plot(cells: list[Cell], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     direct = {(c.mode, c.size, c.concurrency): c.rps for c in cells if c.path == "direct"}
-    serve = [c for c in cells if c.path == "serve"]
+    serve = [c for c in cells if c.path == "through"]
     modes = sorted({c.mode for c in serve})
     labels = sorted({(c.size, c.concurrency) for c in serve},
                     key=lambda k: (SIZES[k[0]], k[1]))
@@ -251,12 +264,11 @@ def plot(cells: list[Cell], path: Path) -> None:
         ratios = [next((c.rps / direct[(mode, s, k)] for c in serve
                         if (c.mode, c.size, c.concurrency) == (mode, s, k)), 0) for s, k in labels]
         ax.bar([x + i * width for x in range(len(labels))], ratios, width, label=mode)
-    ax.axhline(0.5, color="grey", linestyle=":", label="target small c8 (0.5x)")
-    ax.axhline(0.8, color="black", linestyle="--", label="target 1MiB c8 (0.8x)")
+    ax.axhline(0.75, color="black", linestyle="--", label="gateway target at c8 (0.75x)")
     ax.set_xticks([x + 0.4 - width / 2 for x in range(len(labels))])
     ax.set_xticklabels([f"{s}\nc={k}" for s, k in labels])
-    ax.set_ylabel("through Serve / direct Triton (req/s)")
-    ax.set_title("Cost of the Ray Serve hop (same run, same client)")
+    ax.set_ylabel("through the data path / direct Triton (req/s)")
+    ax.set_title("Cost of each data path (same run, same client)")
     ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -264,7 +276,7 @@ def plot(cells: list[Cell], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--modes", nargs="+", default=["default"], choices=sorted(MODES))
+    parser.add_argument("--modes", nargs="+", default=["gateway", "serve"], choices=sorted(MODES))
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 8, 32])
     parser.add_argument("--seconds", type=float, default=3.0)

@@ -1,0 +1,63 @@
+"""What the pods run is exactly the triton-forwarder ConfigMap: its files, alone with the pinned
+Ray in a clean interpreter, import everything the Serve config names (application, gRPC
+servicer registration, autoscaling policy) and build the application."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from tests.kustomize import ROOT, build
+
+SHIPPED_CHECK = """
+import importlib, sys, yaml
+config = yaml.safe_load(open(sys.argv[1]))
+names = list(config["grpc_options"]["grpc_servicer_functions"])
+for app in config["applications"]:
+    names.append(app["import_path"].replace(":", "."))
+    for deployment in app["deployments"]:
+        policy = deployment["autoscaling_config"]["policy"]["policy_function"]
+        names.append(policy.replace(":", "."))
+for name in names:
+    module, _, attr = name.rpartition(".")
+    getattr(importlib.import_module(module), attr)
+app = config["applications"][0]
+module, _, attr = app["import_path"].partition(":")
+getattr(importlib.import_module(module), attr)(app["args"])
+print("imported", len(names), "names from", importlib.import_module("triton_forwarder").__file__)
+"""
+
+
+def shipped_package(into: Path) -> Path:
+    (code,) = [o for o in yaml.safe_load_all(build(ROOT / "serve")) if o and o["kind"] == "ConfigMap"
+               and o["metadata"]["name"].startswith("triton-forwarder")]
+    package = into / "triton_forwarder"
+    package.mkdir()
+    for name, text in code["data"].items():
+        (package / name).write_text(text)
+    return into
+
+
+def test_the_shipped_files_alone_import_what_the_serve_config_names(tmp_path: Path) -> None:
+    root = shipped_package(tmp_path)
+    # -I: no PYTHONPATH, no current directory; only the shipped files and site-packages.
+    result = subprocess.run(
+        [sys.executable, "-I", "-c", f"import sys; sys.path.insert(0, {str(root)!r})\n"
+         + SHIPPED_CHECK, str(ROOT / "serve" / "serve-config.yaml")],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert str(root) in result.stdout
+
+
+def test_the_check_would_catch_a_module_left_out(tmp_path: Path) -> None:
+    root = shipped_package(tmp_path)
+    (root / "triton_forwarder" / "autoscaling.py").unlink()
+    result = subprocess.run(
+        [sys.executable, "-I", "-c", f"import sys; sys.path.insert(0, {str(root)!r})\n"
+         + SHIPPED_CHECK, str(ROOT / "serve" / "serve-config.yaml")],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert result.returncode != 0
+    assert "No module named 'triton_forwarder.autoscaling'" in result.stderr
