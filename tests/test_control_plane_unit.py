@@ -113,7 +113,7 @@ def test_an_emptied_token_file_keeps_the_last_good_tokens_and_logs_once(
     assert check.allows(bearer)
     tokens.write_text("")
     tokens.touch()
-    check._checked = -1e9  # noqa: SLF001 - the next call re-reads instead of waiting 5 s
+    check._checked = -1e9
     with caplog.at_level(logging.ERROR, logger="ray.serve"):
         assert check.allows(bearer)
         check._checked = -1e9

@@ -171,7 +171,8 @@ def test_check_command_prints_a_line_per_violation_and_fails() -> None:
 
 
 def test_a_manifest_without_rayservice_is_refused() -> None:
-    problems, _ = check_stream("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: x}\n", DEFAULT_KUBERNETES_VERSION)
+    problems, _ = check_stream("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: x}\n",
+                               DEFAULT_KUBERNETES_VERSION)
     assert problems == ["rayservice-present: the manifest holds no RayService"]
 
 
