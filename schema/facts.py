@@ -248,6 +248,10 @@ def extract(rayservice: dict[str, Any], stream: list[dict[str, Any]] | None = No
         pod = ((group.get("template") or {}).get("spec")) or {}
         containers = pod.get("containers") or []
         pod_security = pod.get("securityContext") or {}
+        first = containers[0] if containers else {}
+        facts.append("rayContainerFirst",
+                     bool(first) and not _is_triton(first) and "ray" in str(first.get("image")),
+                     f"{group_path}.template.spec.containers[0]")
         for container in containers + (pod.get("initContainers") or []):
             where = f"{group_path}.template.spec.containers[{container.get('name')}]"
             security = container.get("securityContext") or {}

@@ -1,4 +1,4 @@
-"""Writes schema/generated/kustomize-openapi.json: the OpenAPI schema the kustomizations name
+"""Writes base/openapi.json: the OpenAPI schema that base/kustomization.yaml names
 (`openapi:`) so that strategic-merge patches match RayService containers, volumes, env and
 worker groups by their keys (`name`, `groupName`) instead of replacing whole lists.
 
@@ -22,7 +22,7 @@ import kubernetes_validate
 
 from schema.check import DEFAULT_KUBERNETES_VERSION
 
-OUT = Path(__file__).resolve().parent / "generated" / "kustomize-openapi.json"
+OUT = Path(__file__).resolve().parent.parent / "base" / "openapi.json"
 ROOTS = [
     "io.k8s.api.apps.v1.Deployment", "io.k8s.api.core.v1.Service", "io.k8s.api.core.v1.ConfigMap",
     "io.k8s.api.core.v1.Secret", "io.k8s.api.networking.v1.Ingress",

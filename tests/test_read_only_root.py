@@ -72,7 +72,7 @@ def test_the_stack_serves_with_a_read_only_root(read_only_stack: RunningStack) -
     # Nothing failed quietly on the way: no component logged a write refused by the root.
     logs = [p for pattern in ("*.log", "*.err", "*.out") for p in workdir.rglob(pattern)
             if p.is_file()]
-    assert any(p.name == "triton.log" for p in logs) and len(logs) > 5, logs
+    assert any(p.name == "triton-0.log" for p in logs) and len(logs) > 5, logs
     for path in logs:
         text = path.read_text(errors="replace")
         assert "Read-only file system" not in text, f"{path}: a write to the root filesystem"
