@@ -52,10 +52,12 @@ check: venv
 	@test -n "$(MANIFEST)" || { echo "usage: make check MANIFEST=<built manifest file>"; exit 2; }
 	@$(CHECK) $(MANIFEST)
 
-# Regenerates the strict RayService schema from KubeRay's CRD (CRD=<file or URL> for another).
-CRD ?= ../shared/reference/kuberay-v1.7.0/ray.io_rayservices.yaml
+# Regenerates the strict RayService schema from KubeRay's CRD (kept in schema/crd; CRD=<file or
+# URL> for another) and base/openapi.json, the merge keys the kustomizations' patches use.
+CRD ?= schema/crd/ray.io_rayservices.yaml
 schemas: venv
 	$(PY) -m schema.crd_to_jsonschema $(CRD) --out schema/generated/kuberay-v1.7.0-rayservice.json
+	env PYTHONPATH=serve:. $(PY) -m schema.kustomize_openapi
 
 # Writes the gateway's refused-RPC routes from the RPC table and the Serve config's
 # allowed_admin_rpcs (gateway/envoy.yaml, between its markers).
