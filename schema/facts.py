@@ -18,8 +18,8 @@ from typing import Any
 import yaml
 
 from schema.gateway_config import refusal_problems
+from triton_forwarder import APP_IMPORT_PATH as FORWARDER_IMPORT_PATH
 
-FORWARDER_IMPORT_PATH = "triton_forwarder.deployment:build_app"
 TRITON_RESOURCE = "triton"
 GPU_RESOURCE = re.compile(r"^nvidia\.com/(gpu|mig-.+)$")
 REMOTE_REPOSITORY = re.compile(r"^([a-z0-9]+://|\$\()")
@@ -188,30 +188,53 @@ def _add_gateway_facts(facts: Facts, stream: list[dict[str, Any]], spec: dict[st
     return port
 
 
+@dataclass
+class _Serve:
+    """What the facts of several places need from the Serve config."""
+
+    app_path: str
+    http_port: Any
+    grpc_port: Any
+    forwarder_port: Any
+    max_replicas: Any
+    graceful_s: Any
+
+
 def extract(rayservice: dict[str, Any], stream: list[dict[str, Any]] | None = None) -> Facts:
+    """The facts of one RayService, and of the gateway objects beside it in `stream`."""
     facts = Facts()
     spec = rayservice.get("spec") or {}
     cluster = spec.get("rayClusterConfig") or {}
     head = cluster.get("headGroupSpec") or {}
-    groups = cluster.get("workerGroupSpecs") or []
     annotations = (rayservice.get("metadata") or {}).get("annotations") or {}
+    facts.put("accelerator", annotations.get(ACCELERATOR_ANNOTATION, "gpu"),
+              f"metadata.annotations[{ACCELERATOR_ANNOTATION}]")
+    facts.put("headNumCpus", (head.get("rayStartParams") or {}).get("num-cpus"),
+              "spec.rayClusterConfig.headGroupSpec.rayStartParams.num-cpus")
+    serve = _serve_facts(facts, spec)
+    _client_facts(facts, spec, stream or [], serve)
+    versions = {tested_ray_version(), str(cluster.get("rayVersion"))}
+    templates = [("spec.rayClusterConfig.headGroupSpec", head)] + [
+        (f"spec.rayClusterConfig.workerGroupSpecs[{g.get('groupName')}]", g)
+        for g in cluster.get("workerGroupSpecs") or []
+    ]
+    for group_path, group in templates:
+        versions |= _container_facts(facts, group_path, group)
+    for group_path, group in templates[1:]:
+        _worker_group_facts(facts, group_path, group, serve)
+    facts.put("rayVersions", sorted(versions),
+              "spec.rayClusterConfig.rayVersion, the Ray images and requirements.txt")
+    return facts
+
+
+def _serve_facts(facts: Facts, spec: dict[str, Any]) -> _Serve:
     config = _serve_config(spec)
     app, deployment, app_path = _forwarder(config)
     auto = deployment.get("autoscaling_config") or {}
     actor = deployment.get("ray_actor_options") or {}
     deployment_path = f"{app_path}.deployments[0]"
-
-    facts.put("accelerator", annotations.get(ACCELERATOR_ANNOTATION, "gpu"),
-              f"metadata.annotations[{ACCELERATOR_ANNOTATION}]")
-    facts.put("headNumCpus", (head.get("rayStartParams") or {}).get("num-cpus"),
-              "spec.rayClusterConfig.headGroupSpec.rayStartParams.num-cpus")
     facts.put("serveConfigV2", spec.get("serveConfigV2") or "", "spec.serveConfigV2")
     facts.put("forwarderApplications", 1 if app else 0, "spec.serveConfigV2 applications")
-
-    serve_http = _int((config.get("http_options") or {}).get("port", 8000))
-    serve_grpc = _int((config.get("grpc_options") or {}).get("port", 9000))
-    forwarder_port = _int(str((app.get("args") or {}).get("triton_address",
-                                                          "localhost:8001")).rpartition(":")[2])
     min_replicas = _int(auto.get("min_replicas", deployment.get("num_replicas", 1)))
     max_replicas = _int(auto.get("max_replicas", min_replicas))
     facts.put("serveMinReplicas", min_replicas, f"{deployment_path}.autoscaling_config.min_replicas")
@@ -219,133 +242,147 @@ def extract(rayservice: dict[str, Any], stream: list[dict[str, Any]] | None = No
               f"{deployment_path}.autoscaling_config.max_replicas")
     facts.put("replicaResources", actor.get("resources") or {},
               f"{deployment_path}.ray_actor_options.resources")
-    graceful = _int(deployment.get("graceful_shutdown_timeout_s", 20))
+    triton_address = str((app.get("args") or {}).get("triton_address", "localhost:8001"))
+    return _Serve(
+        app_path=app_path,
+        http_port=_int((config.get("http_options") or {}).get("port", 8000)),
+        grpc_port=_int((config.get("grpc_options") or {}).get("port", 9000)),
+        forwarder_port=_int(triton_address.rpartition(":")[2]),
+        max_replicas=max_replicas,
+        graceful_s=_int(deployment.get("graceful_shutdown_timeout_s", 20)),
+    )
 
-    gateway_port = _add_gateway_facts(facts, stream or [], spec, config)
+
+def _client_facts(facts: Facts, spec: dict[str, Any], stream: list[dict[str, Any]],
+                  serve: _Serve) -> None:
+    """Where the clients' Service sends port 8001: the gateway, or Serve's gRPC proxy."""
+    gateway_port = _add_gateway_facts(facts, stream, spec, _serve_config(spec))
     if gateway_port is None:
         # The Serve path: KubeRay's serve Service to Serve's gRPC proxy.
         for index, port in enumerate((spec.get("serveService") or {}).get("spec", {})
                                      .get("ports") or []):
             facts.append("clientTargetMinusEndpointPort",
-                         _diff(_int(port.get("targetPort", port.get("port"))), serve_grpc),
+                         _diff(_int(port.get("targetPort", port.get("port"))), serve.grpc_port),
                          f"spec.serveService.spec.ports[{index}].targetPort")
-    else:
-        for service in stream or []:
-            meta = service.get("metadata") or {}
-            if service.get("kind") == "Service" and meta.get("name") == "triton-grpc":
-                ports = service.get("spec", {}).get("ports") or []
-                for index, port in enumerate(ports):
-                    target = port.get("targetPort", port.get("port"))
-                    target = gateway_port if target == "grpc" else _int(target)
-                    facts.append("clientTargetMinusEndpointPort", _diff(target, gateway_port),
-                                 f"Service {meta['name']} spec.ports[{index}].targetPort")
+        return
+    for service in stream:
+        meta = service.get("metadata") or {}
+        if service.get("kind") == "Service" and meta.get("name") == "triton-grpc":
+            for index, port in enumerate(service.get("spec", {}).get("ports") or []):
+                target = port.get("targetPort", port.get("port"))
+                target = gateway_port if target == "grpc" else _int(target)
+                facts.append("clientTargetMinusEndpointPort", _diff(target, gateway_port),
+                             f"Service {meta['name']} spec.ports[{index}].targetPort")
 
-    versions = {tested_ray_version(), str(cluster.get("rayVersion"))}
-    templates = [("spec.rayClusterConfig.headGroupSpec", head)] + [
-        (f"spec.rayClusterConfig.workerGroupSpecs[{g.get('groupName')}]", g) for g in groups
-    ]
-    for group_path, group in templates:
-        pod = ((group.get("template") or {}).get("spec")) or {}
-        containers = pod.get("containers") or []
-        pod_security = pod.get("securityContext") or {}
-        first = containers[0] if containers else {}
-        facts.append("rayContainerFirst",
-                     bool(first) and not _is_triton(first) and "ray" in str(first.get("image")),
-                     f"{group_path}.template.spec.containers[0]")
-        for container in containers + (pod.get("initContainers") or []):
-            where = f"{group_path}.template.spec.containers[{container.get('name')}]"
-            security = container.get("securityContext") or {}
-            seccomp = (security.get("seccompProfile") or pod_security.get("seccompProfile") or {})
-            facts.append("containerHardening", {
-                "runAsNonRoot": security.get("runAsNonRoot", pod_security.get("runAsNonRoot")),
-                "allowPrivilegeEscalation": security.get("allowPrivilegeEscalation"),
-                "privileged": security.get("privileged", False),
-                "capabilitiesDropped": (security.get("capabilities") or {}).get("drop") or [],
-                "seccomp": seccomp.get("type"),
-                "readOnlyRootFilesystem": security.get("readOnlyRootFilesystem", False),
-            }, f"{where}.securityContext")
-            writable = [m for m in container.get("volumeMounts") or []
-                        if m.get("mountPath", "").rstrip("/") == "/tmp" and not m.get("readOnly")]
-            facts.append("readOnlyRootTmp", {
-                "readOnlyRootFilesystem": security.get("readOnlyRootFilesystem", False),
-                "writableTmp": bool(writable),
-            }, f"{where}.volumeMounts")
-            image = str(container.get("image"))
-            facts.append("images", image, f"{where}.image")
-            if "ray" in image.rsplit("/", 1)[-1].split(":")[0] and not _is_triton(container):
-                versions.add(_ray_version_of(image))
-            key = "tritonGpus" if _is_triton(container) else "otherGpus"
-            facts.append(key, _gpus(container), f"{where}.resources")
 
-    for group in groups:
-        group_path = f"spec.rayClusterConfig.workerGroupSpecs[{group.get('groupName')}]"
-        pod = ((group.get("template") or {}).get("spec")) or {}
-        tritons = [c for c in pod.get("containers") or [] if _is_triton(c)]
-        if TRITON_RESOURCE not in (group.get("resources") or {}) and not tritons:
-            continue
-        facts.append("tritonPerWorkerPod", len(tritons), f"{group_path}.template.spec.containers")
-        facts.append("groupResources", group.get("resources") or {}, f"{group_path}.resources")
-        facts.append("groupMinReplicas", _int(group.get("minReplicas")), f"{group_path}.minReplicas")
-        facts.append("groupMaxMinusServeMaxReplicas",
-                     _diff(_int(group.get("maxReplicas")), max_replicas),
-                     f"{group_path}.maxReplicas")
-        grace = _int(pod.get("terminationGracePeriodSeconds", 30))
-        facts.append("graceMinusServeGracefulShutdown", _diff(grace, graceful),
-                     f"{group_path}.template.spec.terminationGracePeriodSeconds")
-        mounts_by_volume = {v.get("name"): v for v in pod.get("volumes") or []}
-        ray_params = {**RAY_PORT_PARAMS, **(group.get("rayStartParams") or {})}
-        for container in tritons:
-            where = f"{group_path}.template.spec.containers[{container.get('name')}]"
-            argv = [str(a) for a in (container.get("command") or []) + (container.get("args") or [])]
-            found = flags(argv)
+def _container_facts(facts: Facts, group_path: str, group: dict[str, Any]) -> set[str]:
+    """Hardening, images and GPUs of every container of a pod template; the Ray versions."""
+    versions: set[str] = set()
+    pod = ((group.get("template") or {}).get("spec")) or {}
+    containers = pod.get("containers") or []
+    pod_security = pod.get("securityContext") or {}
+    first = containers[0] if containers else {}
+    facts.append("rayContainerFirst",
+                 bool(first) and not _is_triton(first) and "ray" in str(first.get("image")),
+                 f"{group_path}.template.spec.containers[0]")
+    for container in containers + (pod.get("initContainers") or []):
+        where = f"{group_path}.template.spec.containers[{container.get('name')}]"
+        security = container.get("securityContext") or {}
+        seccomp = (security.get("seccompProfile") or pod_security.get("seccompProfile") or {})
+        facts.append("containerHardening", {
+            "runAsNonRoot": security.get("runAsNonRoot", pod_security.get("runAsNonRoot")),
+            "allowPrivilegeEscalation": security.get("allowPrivilegeEscalation"),
+            "privileged": security.get("privileged", False),
+            "capabilitiesDropped": (security.get("capabilities") or {}).get("drop") or [],
+            "seccomp": seccomp.get("type"),
+            "readOnlyRootFilesystem": security.get("readOnlyRootFilesystem", False),
+        }, f"{where}.securityContext")
+        writable = [m for m in container.get("volumeMounts") or []
+                    if m.get("mountPath", "").rstrip("/") == "/tmp" and not m.get("readOnly")]
+        facts.append("readOnlyRootTmp", {
+            "readOnlyRootFilesystem": security.get("readOnlyRootFilesystem", False),
+            "writableTmp": bool(writable),
+        }, f"{where}.volumeMounts")
+        image = str(container.get("image"))
+        facts.append("images", image, f"{where}.image")
+        if "ray" in image.rsplit("/", 1)[-1].split(":")[0] and not _is_triton(container):
+            versions.add(_ray_version_of(image))
+        key = "tritonGpus" if _is_triton(container) else "otherGpus"
+        facts.append(key, _gpus(container), f"{where}.resources")
+    return versions
 
-            def flag(name: str, found: dict[str, list[str]] = found) -> Any:
-                given = found.get(name)
-                return _int(given[-1]) if given else TRITON_DEFAULTS[name]
 
-            facts.append("tritonFlags", argv, f"{where}.args")
-            restricted = [group for value in found.get("grpc-restricted-protocol", [])
-                          for group in value.partition(":")[0].split(",")]
-            facts.append("tritonRestrictedGrpc", sorted(restricted), f"{where}.command")
-            facts.append("graceMinusTritonExitTimeout", _diff(grace, flag("exit-timeout-secs")),
-                         f"{group_path}.template.spec.terminationGracePeriodSeconds")
-            if "gatewayTritonClusterPort" in facts.values:
-                facts.append("gatewayClusterMinusTritonGrpcPort",
-                             _diff(facts.values["gatewayTritonClusterPort"], flag("grpc-port")),
-                             facts.sources["/gatewayTritonClusterPort"])
-            facts.append("forwarderTargetMinusTritonGrpcPort",
-                         _diff(forwarder_port, flag("grpc-port")),
-                         f"{app_path}.args.triton_address")
-            owners: list[tuple[Any, str]] = [
-                (flag("http-port"), f"{where} --http-port"),
-                (flag("grpc-port"), f"{where} --grpc-port"),
-                (flag("metrics-port"), f"{where} --metrics-port"),
-                (serve_http, "Serve HTTP proxy (serveConfigV2 http_options.port)"),
-                (serve_grpc, "Serve gRPC proxy (serveConfigV2 grpc_options.port)"),
-            ] + [(_int(v), f"Ray {k} (rayStartParams)") for k, v in ray_params.items() if v] + [
-                (port, f"Serve's HAProxy ingress ({name})") for name, port in HAPROXY_PORTS.items()]
-            for name in ("http-port", "grpc-port", "metrics-port"):
-                facts.append("tritonPorts", flag(name), f"{where}.args --{name}")
-            ports = [port for port, _ in owners]
-            facts.append("podPorts", ports, f"{where}.args")
-            for port, owner in owners:
-                facts.port_owners.setdefault(str(port), []).append(owner)
-            facts.append("tritonModelControl",
-                         {"mode": flag("model-control-mode"), "loadModels": found.get("load-model", [])},
-                         f"{where}.args")
-            mounts = [
-                m.get("mountPath", "") for m in container.get("volumeMounts") or []
-                if m.get("name") in mounts_by_volume
-            ]
-            for repository in found.get("model-repository", []):
-                mount = next((m for m in sorted(mounts, key=len, reverse=True)
-                              if repository == m or repository.startswith(m.rstrip("/") + "/")),
-                             "remote" if REMOTE_REPOSITORY.match(repository) else None)
-                facts.append("modelRepositories", {"path": repository, "mount": mount},
-                             f"{where}.args --model-repository")
-    facts.put("rayVersions", sorted(versions),
-              "spec.rayClusterConfig.rayVersion, the Ray images and requirements.txt")
-    return facts
+def _worker_group_facts(facts: Facts, group_path: str, group: dict[str, Any],
+                        serve: _Serve) -> None:
+    """A worker group that holds Tritons: its bounds, resources and grace period."""
+    pod = ((group.get("template") or {}).get("spec")) or {}
+    tritons = [c for c in pod.get("containers") or [] if _is_triton(c)]
+    if TRITON_RESOURCE not in (group.get("resources") or {}) and not tritons:
+        return
+    facts.append("tritonPerWorkerPod", len(tritons), f"{group_path}.template.spec.containers")
+    facts.append("groupResources", group.get("resources") or {}, f"{group_path}.resources")
+    facts.append("groupMinReplicas", _int(group.get("minReplicas")), f"{group_path}.minReplicas")
+    facts.append("groupMaxMinusServeMaxReplicas",
+                 _diff(_int(group.get("maxReplicas")), serve.max_replicas),
+                 f"{group_path}.maxReplicas")
+    grace = _int(pod.get("terminationGracePeriodSeconds", 30))
+    facts.append("graceMinusServeGracefulShutdown", _diff(grace, serve.graceful_s),
+                 f"{group_path}.template.spec.terminationGracePeriodSeconds")
+    for container in tritons:
+        _triton_facts(facts, group_path, group, container, grace, serve)
+
+
+def _triton_facts(facts: Facts, group_path: str, group: dict[str, Any],
+                  container: dict[str, Any], grace: Any, serve: _Serve) -> None:
+    """One Triton container: its flags, ports against the pod's other ports, repositories."""
+    pod = ((group.get("template") or {}).get("spec")) or {}
+    where = f"{group_path}.template.spec.containers[{container.get('name')}]"
+    argv = [str(a) for a in (container.get("command") or []) + (container.get("args") or [])]
+    found = flags(argv)
+
+    def flag(name: str) -> Any:
+        given = found.get(name)
+        return _int(given[-1]) if given else TRITON_DEFAULTS[name]
+
+    facts.append("tritonFlags", argv, f"{where}.args")
+    restricted = [part for value in found.get("grpc-restricted-protocol", [])
+                  for part in value.partition(":")[0].split(",")]
+    facts.append("tritonRestrictedGrpc", sorted(restricted), f"{where}.command")
+    facts.append("graceMinusTritonExitTimeout", _diff(grace, flag("exit-timeout-secs")),
+                 f"{group_path}.template.spec.terminationGracePeriodSeconds")
+    if "gatewayTritonClusterPort" in facts.values:
+        facts.append("gatewayClusterMinusTritonGrpcPort",
+                     _diff(facts.values["gatewayTritonClusterPort"], flag("grpc-port")),
+                     facts.sources["/gatewayTritonClusterPort"])
+    facts.append("forwarderTargetMinusTritonGrpcPort",
+                 _diff(serve.forwarder_port, flag("grpc-port")),
+                 f"{serve.app_path}.args.triton_address")
+    ray_params = {**RAY_PORT_PARAMS, **(group.get("rayStartParams") or {})}
+    owners: list[tuple[Any, str]] = [
+        (flag("http-port"), f"{where} --http-port"),
+        (flag("grpc-port"), f"{where} --grpc-port"),
+        (flag("metrics-port"), f"{where} --metrics-port"),
+        (serve.http_port, "Serve HTTP proxy (serveConfigV2 http_options.port)"),
+        (serve.grpc_port, "Serve gRPC proxy (serveConfigV2 grpc_options.port)"),
+    ] + [(_int(v), f"Ray {k} (rayStartParams)") for k, v in ray_params.items() if v] + [
+        (port, f"Serve's HAProxy ingress ({name})") for name, port in HAPROXY_PORTS.items()]
+    for name in ("http-port", "grpc-port", "metrics-port"):
+        facts.append("tritonPorts", flag(name), f"{where}.args --{name}")
+    facts.append("podPorts", [port for port, _ in owners], f"{where}.args")
+    for port, owner in owners:
+        facts.port_owners.setdefault(str(port), []).append(owner)
+    facts.append("tritonModelControl",
+                 {"mode": flag("model-control-mode"), "loadModels": found.get("load-model", [])},
+                 f"{where}.args")
+    volumes = {v.get("name") for v in pod.get("volumes") or []}
+    mounts = [m.get("mountPath", "") for m in container.get("volumeMounts") or []
+              if m.get("name") in volumes]
+    for repository in found.get("model-repository", []):
+        mount = next((m for m in sorted(mounts, key=len, reverse=True)
+                      if repository == m or repository.startswith(m.rstrip("/") + "/")),
+                     "remote" if REMOTE_REPOSITORY.match(repository) else None)
+        facts.append("modelRepositories", {"path": repository, "mount": mount},
+                     f"{where}.args --model-repository")
 
 
 def _diff(a: Any, b: Any) -> Any:

@@ -10,7 +10,6 @@ so both data paths refuse the same calls with the same words.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from schema import write_or_check
 from triton_forwarder.access import ADMIN_HEADER, ADMIN_KEY_ENV
 from triton_forwarder.rpcs import RPCS, refusal_message
 
@@ -102,19 +102,9 @@ def refusal_problems(envoy: dict[str, Any], serve_config: dict[str, Any]) -> lis
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--check", action="store_true",
-                        help="exit 1 if gateway/envoy.yaml is not what would be written")
-    args = parser.parse_args(argv)
     text = ENVOY_CONFIG.read_text()
     rendered = render(text, allowed_admin_rpcs(yaml.safe_load(SERVE_CONFIG.read_text())))
-    if args.check:
-        if rendered != text:
-            print(f"{ENVOY_CONFIG}: refused-RPC routes are stale: run make gateway-config")
-            return 1
-        return 0
-    ENVOY_CONFIG.write_text(rendered)
-    return 0
+    return write_or_check(ENVOY_CONFIG, rendered, argv, __doc__, "make gateway-config")
 
 
 if __name__ == "__main__":

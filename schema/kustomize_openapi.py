@@ -12,7 +12,6 @@ PodTemplateSpec. Descriptions are dropped: kustomize reads only types, refs and 
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Any
 
 import kubernetes_validate
 
+from schema import write_or_check
 from schema.check import DEFAULT_KUBERNETES_VERSION
 
 OUT = Path(__file__).resolve().parent.parent / "base" / "openapi.json"
@@ -108,17 +108,7 @@ def render(schema: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--check", action="store_true")
-    args = parser.parse_args(argv)
-    text = render(generate())
-    if args.check:
-        if not OUT.exists() or OUT.read_text() != text:
-            print(f"{OUT} is stale: run make schemas")
-            return 1
-        return 0
-    OUT.write_text(text)
-    return 0
+    return write_or_check(OUT, render(generate()), argv, __doc__, "make schemas")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ValidationError
 from ray.serve.config import AutoscalingConfig
 from ray.serve.schema import DeploymentSchema, ServeDeploySchema
 
-FORWARDER_IMPORT_PATH = "triton_forwarder.deployment:build_app"
+from triton_forwarder import APP_IMPORT_PATH as FORWARDER_IMPORT_PATH
 
 # Fields typed loosely in Ray's schema, with the model Serve really parses them into.
 _LOOSE_FIELDS: dict[tuple[type[BaseModel], str], type[BaseModel]] = {

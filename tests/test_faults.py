@@ -186,5 +186,5 @@ def test_serve_replica_killed_under_load(stack: Stack) -> None:
         "OK", "StatusCode.UNAVAILABLE", "StatusCode.INTERNAL", "StatusCode.CANCELLED",
         "StatusCode.DEADLINE_EXCEEDED"}
     # Serve brought a replica back and calls succeed again by the end of the load.
-    assert outcomes[-1][0] == "OK" or any(s == "OK" for s, _ in outcomes[-20:])
+    assert any(status == "OK" for status, _ in outcomes[-20:]), outcomes[-20:]
     assert len(_replica_pids()) == 1
