@@ -4,6 +4,8 @@ ignores them, so a misspelt `max_replica` would leave autoscaling at its default
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import types
 import typing
 from typing import Any
@@ -80,16 +82,33 @@ def check_serve_config(config: Any, where: str = "serveConfigV2") -> list[str]:
             auto = deployment.get("autoscaling_config") if isinstance(deployment, dict) else None
             if isinstance(auto, dict):
                 # Ray's schema types this field as a plain dict; Serve parses it later.
-                problems += _validation_problems(
-                    AutoscalingConfig, auto,
-                    f"{app_path}.deployments[{d_index}].autoscaling_config",
-                )
+                auto_path = f"{app_path}.deployments[{d_index}].autoscaling_config"
+                problems += _validation_problems(AutoscalingConfig, auto, auto_path)
+                problems += _policy_problems(auto.get("policy"), f"{auto_path}.policy")
         if app.get("import_path") == FORWARDER_IMPORT_PATH:
             from triton_forwarder.deployment import ForwarderArgs
 
             problems += _validation_problems(ForwarderArgs, app.get("args") or {},
                                              f"{app_path}.args")
     return problems
+
+
+def _policy_problems(policy: Any, path: str) -> list[str]:
+    """A policy class is built with its policy_kwargs once, in the Serve controller: a wrong
+    keyword would fail there, after the deploy. Build it here instead."""
+    if not isinstance(policy, dict) or ":" not in str(policy.get("policy_function", "")):
+        return []
+    module, _, name = str(policy["policy_function"]).partition(":")
+    try:
+        target = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as error:
+        return [f"{path}.policy_function: cannot import {policy['policy_function']}: {error}"]
+    if inspect.isclass(target):
+        try:
+            target(**(policy.get("policy_kwargs") or {}))
+        except (TypeError, ValueError) as error:
+            return [f"{path}.policy_kwargs: {error}"]
+    return []
 
 
 def _validation_problems(model: type[BaseModel], value: Any, path: str) -> list[str]:

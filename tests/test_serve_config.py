@@ -32,7 +32,8 @@ def test_serve_config_has_what_the_forwarder_needs(config: dict[str, Any]) -> No
     (deployment,) = app["deployments"]
     auto = deployment["autoscaling_config"]
     assert 1 <= auto["min_replicas"] <= auto["max_replicas"]
-    assert {"target_ongoing_requests", "upscale_delay_s", "downscale_delay_s"} <= set(auto)
+    assert {"upscale_delay_s", "downscale_delay_s"} <= set(auto)
+    assert auto["policy"]["policy_function"] == "triton_forwarder.autoscaling:TritonQueueTimePolicy"
     assert deployment["ray_actor_options"] == {"num_cpus": 0, "resources": {"triton": 1}}
     assert deployment["graceful_shutdown_timeout_s"] > 0
 
@@ -59,6 +60,10 @@ def _dig(config: dict[str, Any], path: str) -> dict[str, Any]:
         ("applications/0/args", "allowed_admin_rpcs", ["ModelInfer"], "allowed_admin_rpcs"),
         ("applications/0/deployments/0/autoscaling_config", "min_replicas", -1,
          "autoscaling_config.min_replicas"),
+        ("applications/0/deployments/0/autoscaling_config/policy/policy_kwargs",
+         "target_queue_ms", 50, "policy.policy_kwargs: "),
+        ("applications/0/deployments/0/autoscaling_config/policy/policy_kwargs",
+         "target_queue_ms_per_exec", 0, "policy.policy_kwargs: target_queue_ms_per_exec"),
     ],
 )
 def test_bad_serve_config_is_refused_naming_the_field(

@@ -66,8 +66,8 @@ def test_triton_killed_under_load_calls_end_with_a_status_then_recover(stack: St
         await task
 
     asyncio.run(kill_under_load())
-    stack.process.wait_for_line(r"triton exited with status -9; restarting", 30, after=seen)
-    stack.process.wait_for_line(r"triton started \(pid \d+\)", 60, after=seen)
+    stack.process.wait_for_line(r"triton 0 exited with status -9; restarting", 30, after=seen)
+    stack.process.wait_for_line(r"triton 0 started \(pid \d+\)", 60, after=seen)
 
     failed = [o for o in outcomes if o[1] != "OK"]
     longest = max(seconds for _, _, seconds in outcomes)
