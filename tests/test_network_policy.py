@@ -1,58 +1,95 @@
-"""components/network-policy, read with NetworkPolicy's own semantics: Triton's ports reachable
-from nowhere outside its pod, Serve's client port from client namespaces, metrics from the
-monitoring namespace, Ray's ports only from the Ray cluster's pods."""
+"""components/network-policy, read with NetworkPolicy's own semantics (tests/network_policy.py,
+itself first checked against the Kubernetes documentation's examples): Triton's ports reachable
+only from its own pod, the gateway (gRPC) and monitoring (metrics); the clients' ports from
+client namespaces; the KubeRay operator reaches the head; Ray's ports only inside the cluster."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 import yaml
 
 from tests.kustomize import ROOT, build
+from tests.network_policy import Pod, allowed
 
-RAY_POD = {"app.kubernetes.io/name": "sonic-ray", "app.kubernetes.io/component": "triton-worker"}
+# --- the evaluator, on the examples of kubernetes.io/docs/concepts/services-networking/network-policies
+
+DOCS_EXAMPLE = {
+    "metadata": {"name": "test-network-policy", "namespace": "default"},
+    "spec": {
+        "podSelector": {"matchLabels": {"role": "db"}},
+        "policyTypes": ["Ingress", "Egress"],
+        "ingress": [{"from": [
+            {"ipBlock": {"cidr": "172.17.0.0/16", "except": ["172.17.1.0/24"]}},
+            {"namespaceSelector": {"matchLabels": {"project": "myproject"}}},
+            {"podSelector": {"matchLabels": {"role": "frontend"}}},
+        ], "ports": [{"protocol": "TCP", "port": 6379}]}],
+    },
+}
+DB = Pod("default", {"role": "db"})
+
+
+def test_docs_example_allows_each_listed_peer_on_the_port() -> None:
+    policies = [DOCS_EXAMPLE]
+    assert allowed(policies, DB, Pod("default", {"role": "frontend"}), 6379)
+    assert allowed(policies, DB, Pod("other", {}, {"project": "myproject"}), 6379)
+    assert allowed(policies, DB, Pod("x", {}, ip="172.17.2.3"), 6379)
+    assert not allowed(policies, DB, Pod("x", {}, ip="172.17.1.3"), 6379)  # except
+    assert not allowed(policies, DB, Pod("other", {"role": "frontend"}), 6379)  # other ns
+    assert not allowed(policies, DB, Pod("default", {"role": "frontend"}), 6380)
+    assert allowed(policies, Pod("default", {"role": "web"}), Pod("x", {}), 80)  # not selected
+
+
+def test_docs_default_deny_and_allow_all() -> None:
+    deny = {"metadata": {"name": "default-deny-ingress"},
+            "spec": {"podSelector": {}, "policyTypes": ["Ingress"]}}
+    allow = {"metadata": {"name": "allow-all-ingress"},
+             "spec": {"podSelector": {}, "ingress": [{}], "policyTypes": ["Ingress"]}}
+    anyone = Pod("elsewhere", {"app": "x"})
+    assert not allowed([deny], DB, anyone, 5432)
+    assert allowed([deny, allow], DB, anyone, 5432)
+
+
+def test_docs_namespace_and_pod_selector_in_one_peer_mean_both() -> None:
+    both = {"metadata": {"name": "and"}, "spec": {"podSelector": {}, "ingress": [{"from": [
+        {"namespaceSelector": {"matchLabels": {"user": "alice"}},
+         "podSelector": {"matchLabels": {"role": "client"}}}]}]}}
+    either = {"metadata": {"name": "or"}, "spec": {"podSelector": {}, "ingress": [{"from": [
+        {"namespaceSelector": {"matchLabels": {"user": "alice"}}},
+        {"podSelector": {"matchLabels": {"role": "client"}}}]}]}}
+    alice_other = Pod("a", {"role": "server"}, {"user": "alice"})
+    local_client = Pod("default", {"role": "client"})
+    assert not allowed([both], DB, alice_other, 1)
+    assert allowed([either], DB, alice_other, 1)
+    assert allowed([either], DB, local_client, 1)
+    assert allowed([both], DB, Pod("a", {"role": "client"}, {"user": "alice"}), 1)
+
+
+def test_docs_port_range_and_match_expressions() -> None:
+    ranged = {"metadata": {"name": "multi-port-egress"}, "spec": {
+        "podSelector": {"matchExpressions": [{"key": "role", "operator": "In",
+                                              "values": ["db", "cache"]}]},
+        "ingress": [{"ports": [{"protocol": "TCP", "port": 32000, "endPort": 32768}]}]}}
+    anyone = Pod("elsewhere", {})
+    assert allowed([ranged], DB, anyone, 32768)
+    assert not allowed([ranged], DB, anyone, 32769)
+    assert not allowed([ranged], DB, anyone, 32000, protocol="UDP")
+    assert allowed([ranged], Pod("default", {"role": "web"}), anyone, 1)  # not selected
+
+
+# --- our policies
+
 NAMESPACE = "components-test"
-
-
-@dataclass
-class Source:
-    namespace: str
-    namespace_labels: dict[str, str]
-    pod_labels: dict[str, str] = field(default_factory=dict)
-
-
-def _matches(selector: dict[str, Any], labels: dict[str, str]) -> bool:
-    return all(labels.get(k) == v for k, v in (selector.get("matchLabels") or {}).items())
-
-
-def _peer_matches(peer: dict[str, Any], source: Source) -> bool:
-    if "ipBlock" in peer:
-        return False  # the sources here are pods
-    pods_ok = "podSelector" not in peer or _matches(peer["podSelector"], source.pod_labels)
-    if "namespaceSelector" in peer:
-        ns_ok = _matches(peer["namespaceSelector"], source.namespace_labels)
-    else:
-        ns_ok = source.namespace == NAMESPACE
-    return pods_ok and ns_ok and ("podSelector" in peer or "namespaceSelector" in peer)
-
-
-def _port_matches(rule_port: dict[str, Any], port: int) -> bool:
-    start = int(rule_port["port"])
-    return start <= port <= int(rule_port.get("endPort", start))
-
-
-def reachable(policies: list[dict[str, Any]], source: Source, port: int) -> bool:
-    selecting = [p for p in policies if _matches(p["spec"]["podSelector"], RAY_POD)
-                 and "Ingress" in p["spec"].get("policyTypes", ["Ingress"])]
-    if not selecting:
-        return True
-    return any(
-        any(_peer_matches(peer, source) for peer in rule.get("from", []))
-        and any(_port_matches(p, port) for p in rule.get("ports", []))
-        for policy in selecting for rule in policy["spec"].get("ingress", [])
-    )
+BASE = {"app.kubernetes.io/name": "sonic-ray"}
+WORKER = Pod(NAMESPACE, {**BASE, "app.kubernetes.io/component": "triton-worker"})
+HEAD = Pod(NAMESPACE, {**BASE, "app.kubernetes.io/component": "ray-head"})
+GATEWAY = Pod(NAMESPACE, {**BASE, "app.kubernetes.io/component": "gateway"})
+OTHER_POD = Pod(NAMESPACE, {"app": "notebook"})
+CLIENT = Pod("cms-users", {}, {"sonic-ray.io/client": "true"})
+MONITORING = Pod("monitoring", {})
+OPERATOR = Pod("ray-system", {"app.kubernetes.io/name": "kuberay-operator"})
+STRANGER = Pod("elsewhere", {})
 
 
 @pytest.fixture(scope="module")
@@ -61,55 +98,67 @@ def policies() -> list[dict[str, Any]]:
     return [o for o in yaml.safe_load_all(built) if o and o["kind"] == "NetworkPolicy"]
 
 
-RAY_PEER = Source(NAMESPACE, {"kubernetes.io/metadata.name": NAMESPACE}, RAY_POD)
-OTHER_POD = Source(NAMESPACE, {"kubernetes.io/metadata.name": NAMESPACE}, {"app": "notebook"})
-CLIENT = Source("cms-users", {"kubernetes.io/metadata.name": "cms-users", "sonic-ray.io/client": "true"})
-MONITORING = Source("monitoring", {"kubernetes.io/metadata.name": "monitoring"})
-STRANGER = Source("elsewhere", {"kubernetes.io/metadata.name": "elsewhere"})
-
-
 @pytest.mark.parametrize("port", [8001, 8100])
-@pytest.mark.parametrize("source", [RAY_PEER, OTHER_POD, CLIENT, MONITORING, STRANGER],
-                         ids=["ray-pod", "other-pod", "client", "monitoring", "stranger"])
+@pytest.mark.parametrize("source", [HEAD, OTHER_POD, CLIENT, MONITORING, STRANGER, OPERATOR],
+                         ids=["ray-head", "other-pod", "client", "monitoring", "stranger", "operator"])
 def test_triton_ports_are_closed_outside_the_pod(
-    policies: list[dict[str, Any]], source: Source, port: int
+    policies: list[dict[str, Any]], source: Pod, port: int
 ) -> None:
-    assert not reachable(policies, source, port)
+    assert not allowed(policies, WORKER, source, port)
+
+
+def test_tritons_grpc_port_is_open_to_the_gateway_only(policies: list[dict[str, Any]]) -> None:
+    assert allowed(policies, WORKER, GATEWAY, 8001)
+    assert not allowed(policies, WORKER, GATEWAY, 8100)
+    assert not allowed(policies, WORKER, WORKER, 8001)  # another worker pod
 
 
 def test_triton_metrics_only_from_monitoring(policies: list[dict[str, Any]]) -> None:
-    assert reachable(policies, MONITORING, 8002)
-    assert not any(reachable(policies, s, 8002) for s in (RAY_PEER, CLIENT, STRANGER))
+    assert allowed(policies, WORKER, MONITORING, 8002)
+    assert not any(allowed(policies, WORKER, s, 8002) for s in (HEAD, CLIENT, STRANGER))
 
 
-def test_serve_client_port_from_client_namespaces(policies: list[dict[str, Any]]) -> None:
-    assert reachable(policies, CLIENT, 9000)
-    assert not reachable(policies, STRANGER, 9000)
-    assert not reachable(policies, OTHER_POD, 9000)
+def test_clients_reach_the_gateway_and_the_serve_proxy(policies: list[dict[str, Any]]) -> None:
+    assert allowed(policies, GATEWAY, CLIENT, 8001)
+    assert allowed(policies, HEAD, CLIENT, 9000)
+    for stranger in (STRANGER, OTHER_POD):
+        assert not allowed(policies, GATEWAY, stranger, 8001)
+        assert not allowed(policies, HEAD, stranger, 9000)
+    assert allowed(policies, GATEWAY, MONITORING, 9902)
+    assert not allowed(policies, GATEWAY, STRANGER, 9902)
+
+
+def test_the_kuberay_operator_reaches_the_head(policies: list[dict[str, Any]]) -> None:
+    assert allowed(policies, HEAD, OPERATOR, 8265)  # Serve config pushed to the dashboard
+    assert allowed(policies, HEAD, OPERATOR, 8000)  # the Serve proxy's health probe
+    assert not allowed(policies, HEAD, OPERATOR, 10001)
+    assert not allowed(policies, HEAD, STRANGER, 8265)
 
 
 @pytest.mark.parametrize("port", [6379, 8265, 10001, 52365, 8000, 9000, 12345, 40000])
 def test_ray_ports_only_inside_the_ray_cluster(policies: list[dict[str, Any]], port: int) -> None:
-    assert reachable(policies, RAY_PEER, port)
+    assert allowed(policies, HEAD, WORKER, port)
     if port != 9000:
-        assert not reachable(policies, CLIENT, port)
-    assert not reachable(policies, STRANGER, port)
-    assert not reachable(policies, OTHER_POD, port)
+        assert not allowed(policies, HEAD, CLIENT, port)
+    assert not allowed(policies, HEAD, STRANGER, port)
+    assert not allowed(policies, HEAD, OTHER_POD, port)
 
 
 def test_ray_metrics_from_monitoring(policies: list[dict[str, Any]]) -> None:
-    assert reachable(policies, MONITORING, 8080)
-    assert not reachable(policies, STRANGER, 8080)
+    assert allowed(policies, WORKER, MONITORING, 8080)
+    assert not allowed(policies, WORKER, STRANGER, 8080)
 
 
-def test_token_auth_component_reaches_every_ray_container() -> None:
+def test_token_auth_component_reaches_every_ray_container_and_the_gateway() -> None:
     built = [o for o in yaml.safe_load_all(
         build(ROOT / "tests" / "fixtures" / "components" / "all-optional")) if o]
     (service,) = [o for o in built if o["kind"] == "RayService"]
     cluster = service["spec"]["rayClusterConfig"]
-    for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
-        pod = group["template"]["spec"]
-        ray = pod["containers"][0]
-        assert {"name": "SONIC_RAY_AUTH_TOKENS_FILE",
-                "value": "/etc/sonic-ray/client-tokens/tokens"} in ray["env"]
+    (gateway,) = [o for o in built if o["kind"] == "Deployment"]
+    tokens = {"name": "SONIC_RAY_AUTH_TOKENS_FILE", "value": "/etc/sonic-ray/client-tokens/tokens"}
+    for pod in [cluster["headGroupSpec"]["template"]["spec"],
+                *(g["template"]["spec"] for g in cluster["workerGroupSpecs"]),
+                gateway["spec"]["template"]["spec"]]:
+        first = pod["containers"][0]
+        assert tokens in first["env"]
         assert {"name": "client-tokens", "secret": {"secretName": "triton-client-tokens"}} in pod["volumes"]
