@@ -29,7 +29,7 @@ import tritonclient.grpc.aio as tc_aio
 
 from local_stack.harness import running_stack
 from local_stack.processes import session_members
-from tests.triton_inputs import simple_inputs, tensor
+from local_stack.triton_inputs import simple_inputs, tensor
 
 RESULTS = Path(__file__).resolve().parent.parent / "bench-results"
 MIB = 1 << 20

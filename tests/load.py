@@ -13,7 +13,7 @@ from tritonclient.utils import InferenceServerException
 
 from local_stack.harness import RunningStack
 from local_stack.ray_cluster import replicas
-from tests.triton_inputs import simple_inputs, tensor
+from local_stack.triton_inputs import simple_inputs, tensor
 
 DEADLINE_S = 10.0
 Outcome = tuple[float, str, float]  # (started, status, seconds)

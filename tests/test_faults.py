@@ -24,8 +24,8 @@ from hypothesis import strategies as st
 from tritonclient.grpc import service_pb2
 from tritonclient.utils import InferenceServerException
 
+from local_stack.triton_inputs import simple_inputs
 from tests.conftest import MESSAGE_LIMIT, Stack
-from tests.triton_inputs import simple_inputs
 
 INFER = "/inference.GRPCInferenceService/ModelInfer"
 

@@ -17,8 +17,8 @@ from google.protobuf import json_format
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
+from local_stack.triton_inputs import simple_inputs, tensor
 from tests.conftest import ADMIN_METADATA, Stack
-from tests.triton_inputs import simple_inputs, tensor
 
 GIB = 1 << 30
 

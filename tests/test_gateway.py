@@ -20,8 +20,8 @@ import tritonclient.grpc.aio as tc_aio
 from tritonclient.utils import InferenceServerException
 
 from local_stack.harness import RunningStack, processes_left_behind, running_stack, serve_config_with
+from local_stack.triton_inputs import tensor
 from tests.load import DEADLINE_S, Outcome, load, scale_cycle
-from tests.triton_inputs import tensor
 
 # Quick autoscaling for a test: Triton's metrics every half second, short delays, and a low
 # queue-time target that the slow model's queue crosses with a handful of callers.

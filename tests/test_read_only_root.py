@@ -16,7 +16,7 @@ import pytest
 import tritonclient.grpc as tc
 
 from local_stack.harness import EXAMPLE_MODELS, RunningStack, processes_left_behind, running_stack
-from tests.triton_inputs import simple_inputs, tensor
+from local_stack.triton_inputs import simple_inputs, tensor
 
 READ_ONLY_ROOT = [
     # A user namespace of its own: needs no privilege, so CI runs it as any user.

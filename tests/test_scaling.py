@@ -16,9 +16,9 @@ import tritonclient.grpc.aio as tc_aio
 from tritonclient.utils import InferenceServerException
 
 from local_stack.harness import RunningStack, processes_left_behind, running_stack, serve_config_with
+from local_stack.triton_inputs import tensor
 from tests.load import scale_cycle
 from tests.test_gateway import AUTOSCALING
-from tests.triton_inputs import tensor
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
 """What the pods run is exactly the triton-forwarder ConfigMap: its files, alone with the pinned
 Ray in a clean interpreter, import everything the Serve config names (application, gRPC
-servicer registration, autoscaling policy) and build the application."""
+servicer registration, autoscaling policy), build the application, and forward one call (to a
+stand-in Triton in the same interpreter: what is tested is that the shipped code runs)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,37 @@ for name in names:
 app = config["applications"][0]
 module, _, attr = app["import_path"].partition(":")
 getattr(importlib.import_module(module), attr)(app["args"])
+
+import asyncio, grpc
+from triton_forwarder.deployment import ForwarderArgs, TritonForwarder
+from triton_forwarder.rpcs import BY_NAME, SERVICE
+
+class Context:
+    code = None
+    def invocation_metadata(self): return [("x-job", "1")]
+    def set_code(self, code): self.code = code
+    def set_details(self, details): pass
+    def set_trailing_metadata(self, metadata): pass
+
+async def one_call():
+    async def ready(request, context): return b"\x08\x01"
+    async def infer(request, context): return b"reply:" + request
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {
+        "ServerReady": grpc.unary_unary_rpc_method_handler(ready),
+        "ModelInfer": grpc.unary_unary_rpc_method_handler(infer)}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    forwarder = TritonForwarder.__new__(TritonForwarder)
+    await TritonForwarder.__init__(forwarder, ForwarderArgs.model_validate(
+        {**app["args"], "triton_address": f"127.0.0.1:{port}"}))
+    context = Context()
+    reply = await forwarder.forward_unary(BY_NAME["ModelInfer"], b"call", context)
+    await server.stop(None)
+    assert reply.SerializeToString() == b"reply:call" and context.code is None
+    return reply.SerializeToString()
+
+print("forwarded", asyncio.run(one_call()))
 print("imported", len(names), "names from", importlib.import_module("triton_forwarder").__file__)
 """
 
@@ -50,6 +82,7 @@ def test_the_shipped_files_alone_import_what_the_serve_config_names(tmp_path: Pa
         capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert str(root) in result.stdout
+    assert "forwarded b'reply:call'" in result.stdout
 
 
 def test_the_check_would_catch_a_module_left_out(tmp_path: Path) -> None:

@@ -17,8 +17,8 @@ import tritonclient.grpc as tc
 from tritonclient.utils import InferenceServerException
 
 from local_stack.harness import processes_left_behind, running_stack
+from local_stack.triton_inputs import tensor
 from tests.conftest import DATA_PATHS
-from tests.triton_inputs import tensor
 
 FIRST = "tok-first-5f1c0a"
 SECOND = "tok-second-9e27b4"

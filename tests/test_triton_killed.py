@@ -14,8 +14,8 @@ import tritonclient.grpc as tc
 import tritonclient.grpc.aio as tc_aio
 from tritonclient.utils import InferenceServerException
 
+from local_stack.triton_inputs import simple_inputs
 from tests.conftest import Stack
-from tests.triton_inputs import simple_inputs
 
 DEADLINE_S = 10.0
 
