@@ -10,6 +10,7 @@ Each fact comes with the manifest field it was read from, for the messages.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -18,6 +19,7 @@ from typing import Any
 import yaml
 
 from schema.gateway_config import refusal_problems
+from triton_forwarder.access import ADMIN_HEADER, ADMIN_KEY_NAME
 from triton_forwarder import APP_IMPORT_PATH as FORWARDER_IMPORT_PATH
 
 TRITON_RESOURCE = "triton"
@@ -172,6 +174,9 @@ def _add_gateway_facts(facts: Facts, stream: list[dict[str, Any]], spec: dict[st
     facts.put("gatewayAdminAddress", admin.get("address"), f"{source} admin.address")
     facts.put("gatewayRefusals", refusal_problems(envoy, serve_config),
               f"{source} routes of the triton-grpc listener")
+    lua = json.dumps(envoy)
+    facts.put("gatewayStripsAdminHeader", f'remove(\\"{ADMIN_HEADER}\\")' in lua,
+              f"{source} http_filters[envoy.filters.http.lua]")
     facts.put("gatewayTritonClusterPort", cluster_port,
               f"{source} clusters[triton] endpoint port_value")
     pod = deployment.get("spec", {}).get("template", {}).get("spec", {})
@@ -348,6 +353,11 @@ def _triton_facts(facts: Facts, group_path: str, group: dict[str, Any],
     restricted = [part for value in found.get("grpc-restricted-protocol", [])
                   for part in value.partition(":")[0].split(",")]
     facts.append("tritonRestrictedGrpc", sorted(restricted), f"{where}.command")
+    for flag_name in ("grpc-restricted-protocol", "http-restricted-api"):
+        for value in found.get(flag_name, []):
+            key_name = value.partition(":")[2].partition("=")[0]
+            facts.append("tritonAdminKeyNamed", key_name == ADMIN_KEY_NAME,
+                         f"{where}.command --{flag_name}")
     facts.append("graceMinusTritonExitTimeout", _diff(grace, flag("exit-timeout-secs")),
                  f"{group_path}.template.spec.terminationGracePeriodSeconds")
     if "gatewayTritonClusterPort" in facts.values:
