@@ -19,8 +19,8 @@ from typing import Any
 import yaml
 
 from schema.gateway_config import refusal_problems
-from triton_forwarder.access import ADMIN_HEADER, ADMIN_KEY_NAME
 from triton_forwarder import APP_IMPORT_PATH as FORWARDER_IMPORT_PATH
+from triton_forwarder.access import ADMIN_HEADER, ADMIN_KEY_NAME
 
 TRITON_RESOURCE = "triton"
 GPU_RESOURCE = re.compile(r"^nvidia\.com/(gpu|mig-.+)$")
