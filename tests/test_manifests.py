@@ -182,29 +182,6 @@ def test_pinned_kubectl_is_the_one_asked_for() -> None:
     assert "v1.37.1" in version and "v5.8.1" in version
 
 
-FLUX = sorted((ROOT / "clusters").glob("*/sonic-ray.yaml"))
-
-
-@pytest.mark.parametrize("flux", FLUX, ids=[f.parent.name for f in FLUX])
-def test_flux_kustomization_deploys_its_site_overlay(flux: Path) -> None:
-    docs = {d["kind"]: d for d in objects(flux.read_text())}
-    source, kustomization = docs["GitRepository"], docs["Kustomization"]
-    spec = kustomization["spec"]
-    assert spec["sourceRef"] == {"kind": "GitRepository", "name": source["metadata"]["name"]}
-    assert spec["path"] == f"./overlays/{flux.parent.name}"
-    assert (ROOT / spec["path"] / "kustomization.yaml").exists()
-    assert spec["dependsOn"] == [{"name": "kuberay-operator"}]
-    assert spec["prune"] is True and spec["wait"] is True
-    minutes = int(spec["timeout"].rstrip("m"))
-    assert minutes >= 20, "GPU node scale-up plus a cold model load takes more than 20 minutes"
-    assert "postBuild" not in spec
-    (check,) = spec["healthCheckExprs"]
-    assert check["kind"] == "RayService" and "Ready" in check["current"]
-    built = rayservice(build(ROOT / spec["path"]))
-    annotations = built["metadata"]["annotations"]
-    assert annotations["kustomize.toolkit.fluxcd.io/substitute"] == "disabled"
-
-
 def test_committed_rayservice_schema_is_what_the_generator_makes(tmp_path: Path) -> None:
     committed = (ROOT / "schema" / "generated" / "kuberay-v1.7.0-rayservice.json").read_text()
     out = tmp_path / "schema.json"
