@@ -11,7 +11,7 @@ KUBECTLS := $(VENV)/bin/kubectl $(wildcard /usr/bin/kubectl)
 # schema/check.py (DEFAULT_KUBERNETES_VERSION).
 CHECK := env PYTHONPATH=serve:. $(PY) -m schema.check
 
-.PHONY: venv test unit lint local bench validate check schemas gateway-config lock clean
+.PHONY: venv test unit lint local bench validate check check-cluster-crd schemas gateway-config lock clean
 
 venv: $(VENV)/.installed
 
@@ -51,6 +51,16 @@ validate: venv
 check: venv
 	@test -n "$(MANIFEST)" || { echo "usage: make check MANIFEST=<built manifest file>"; exit 2; }
 	@$(CHECK) $(MANIFEST)
+
+# Checks every overlay against the RayService CRD a cluster has installed:
+#   kubectl get crd rayservices.ray.io -o yaml > crd.yaml && make check-cluster-crd CRD=crd.yaml
+# An older KubeRay drops fields it does not know (worker-group resources before 1.5) silently.
+check-cluster-crd: venv
+	@test "$(origin CRD)" = "command line" || { echo "usage: make check-cluster-crd CRD=<the cluster's RayService CRD>"; exit 2; }
+	@set -e; for overlay in $(OVERLAYS); do \
+	  echo "$$overlay against $(CRD)"; \
+	  $(VENV)/bin/kubectl kustomize $$overlay | $(CHECK) --crd $(CRD) -; \
+	done
 
 # Regenerates the strict RayService schema from KubeRay's CRD (kept in schema/crd; CRD=<file or
 # URL> for another) and base/openapi.json, the merge keys the kustomizations' patches use.

@@ -88,11 +88,23 @@ def _prefixes(pointer: str) -> list[str]:
     return ["/".join(parts[:n]) for n in range(len(parts), 1, -1)]
 
 
-def rayservice_violations(obj: dict[str, Any],
-                          stream: list[dict[str, Any]] | None = None) -> Iterator[str]:
-    validator = jsonschema.Draft202012Validator(RAYSERVICE_SCHEMA)
+# Fields an older KubeRay drops silently (the API server prunes what its CRD does not know).
+_SINCE = {"resources": "worker-group resources need KubeRay >= 1.5",
+          "authOptions": "authOptions needs KubeRay >= 1.5"}
+
+
+def crd_violations(obj: dict[str, Any], schema: dict[str, Any]) -> Iterator[str]:
+    validator = jsonschema.Draft202012Validator(schema)
     for error in sorted(validator.iter_errors(obj), key=lambda e: list(e.absolute_path)):
-        yield f"kuberay-crd: {_name(obj)} {_dotted(error.absolute_path) or '(object)'}: {error.message}"
+        hints = [hint for field, hint in _SINCE.items() if f"'{field}'" in error.message]
+        hint = f" ({'; '.join(hints)}: this cluster would drop it silently)" if hints else ""
+        yield (f"kuberay-crd: {_name(obj)} {_dotted(error.absolute_path) or '(object)'}: "
+               f"{error.message}{hint}")
+
+
+def rayservice_violations(obj: dict[str, Any], stream: list[dict[str, Any]] | None = None,
+                          crd_schema: dict[str, Any] | None = None) -> Iterator[str]:
+    yield from crd_violations(obj, crd_schema or RAYSERVICE_SCHEMA)
     config_text = (obj.get("spec") or {}).get("serveConfigV2")
     try:
         config = yaml.safe_load(config_text or "")
@@ -114,7 +126,8 @@ def kubernetes_violations(obj: dict[str, Any], version: str) -> Iterator[str]:
         yield f"kubernetes-schema: {_name(obj)} {path}: {error.message}"
 
 
-def check_stream(text: str, kubernetes_version: str) -> tuple[list[str], int]:
+def check_stream(text: str, kubernetes_version: str,
+                 crd_schema: dict[str, Any] | None = None) -> tuple[list[str], int]:
     """Violations of every object in a manifest stream, and how many RayServices it holds."""
     try:
         objects = [o for o in yaml.safe_load_all(text) if o is not None]
@@ -128,7 +141,7 @@ def check_stream(text: str, kubernetes_version: str) -> tuple[list[str], int]:
             continue
         if obj["kind"] == "RayService":
             rayservices += 1
-            problems += rayservice_violations(obj, objects)
+            problems += rayservice_violations(obj, objects, crd_schema)
         else:
             problems += kubernetes_violations(obj, kubernetes_version)
     if rayservices == 0:
@@ -140,11 +153,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("manifests", nargs="+")
     parser.add_argument("--kubernetes-version", default=DEFAULT_KUBERNETES_VERSION)
+    parser.add_argument("--crd", help="check RayServices against this cluster's installed "
+                        "RayService CRD (kubectl get crd rayservices.ray.io -o yaml) instead "
+                        "of KubeRay v1.7.0's")
     args = parser.parse_args(argv)
+    crd_schema = None
+    if args.crd:
+        from schema.crd_to_jsonschema import generate
+
+        crd_schema = generate(args.crd, "v1")
     failed = False
     for manifest in args.manifests:
         text = sys.stdin.read() if manifest == "-" else Path(manifest).read_text()
-        problems, rayservices = check_stream(text, args.kubernetes_version)
+        problems, rayservices = check_stream(text, args.kubernetes_version, crd_schema)
         for problem in problems:
             print(problem)
         failed |= bool(problems)
