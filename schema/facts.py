@@ -214,6 +214,7 @@ class _Serve:
     forwarder_port: Any
     max_replicas: Any
     graceful_s: Any
+    ready_timeout_s: Any
 
 
 def extract(rayservice: dict[str, Any], stream: list[dict[str, Any]] | None = None) -> Facts:
@@ -266,6 +267,7 @@ def _serve_facts(facts: Facts, spec: dict[str, Any]) -> _Serve:
         forwarder_port=_int(triton_address.rpartition(":")[2]),
         max_replicas=max_replicas,
         graceful_s=_int(deployment.get("graceful_shutdown_timeout_s", 20)),
+        ready_timeout_s=_int((app.get("args") or {}).get("ready_timeout_s", 600)),
     )
 
 
@@ -375,6 +377,10 @@ def _triton_facts(facts: Facts, group_path: str, group: dict[str, Any],
             key_name = value.partition(":")[2].partition("=")[0]
             facts.append("tritonAdminKeyNamed", key_name == ADMIN_KEY_NAME,
                          f"{where}.command --{flag_name}")
+    probe = container.get("startupProbe") or {}
+    startup_s = _int(probe.get("failureThreshold", 3)) * _int(probe.get("periodSeconds", 10))
+    facts.append("readyTimeoutMinusTritonStartup", _diff(serve.ready_timeout_s, startup_s),
+                 f"{serve.app_path}.args.ready_timeout_s")
     prestop = _prestop_waits(container)
     facts.append("graceMinusTritonExitTimeout",
                  _diff(grace, flag("exit-timeout-secs") + prestop.get("max", 0)),

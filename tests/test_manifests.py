@@ -135,10 +135,23 @@ def test_optional_components_build_together() -> None:
     triton = rayservice(built)["spec"]["rayClusterConfig"]["workerGroupSpecs"][0][
         "template"]["spec"]["containers"][1]
     assert triton["resources"]["limits"] == {"memory": "16Gi", "nvidia.com/mig-1g.10gb": 1}
+    assert triton["resources"]["requests"]["nvidia.com/mig-1g.10gb"] == 1
     assert triton["envFrom"] == [{"secretRef": {"name": "triton-s3-models"}}]
     assert triton["args"] == ["--model-repository=$(MODEL_REPOSITORY_URL)"]
     assert sorted(o["metadata"]["name"] for o in objects(built)
                   if o["kind"] == "ServiceMonitor") == ["ray-metrics", "triton-metrics"]
+
+
+def test_mig_on_a_site_overlay_claims_one_slice_in_requests_and_limits() -> None:
+    built = build(ROOT / "tests" / "fixtures" / "components" / "nautilus-mig")
+    problems, _ = check_stream(built, DEFAULT_KUBERNETES_VERSION)
+    assert problems == []
+    pod = rayservice(built)["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"]
+    (triton,) = [c for c in pod["containers"] if c["name"] == "triton"]
+    for kind in ("requests", "limits"):
+        claims = {k: v for k, v in triton["resources"][kind].items() if k.startswith("nvidia.com/")}
+        assert claims == {"nvidia.com/mig-1g.10gb": 1}, (kind, triton["resources"])
+    assert triton["resources"]["limits"]["cpu"] == "1"  # the site's own size stays
 
 
 @pytest.mark.parametrize("invariant", INVARIANTS)
