@@ -238,7 +238,7 @@ def table(cells: list[Cell]) -> str:
             continue
         d = direct[(c.mode, c.size, c.concurrency)]
         lines.append(
-            f"| {c.mode}{'' if c.path == 'serve' else ' (' + c.path + ' port)'} | {c.size} | "
+            f"| {c.mode}{'' if c.path == 'through' else ' (' + c.path + ' port)'} | {c.size} | "
             f"{c.concurrency} | {d.rps:.0f} | {c.rps:.0f} | "
             f"{c.rps / d.rps:.2f} | {d.p50_ms:.2f}/{d.p99_ms:.1f} | {c.p50_ms:.2f}/{c.p99_ms:.1f} | "
             f"{c.p50_ms - d.p50_ms:.2f} | {c.envoy_cpu_s_per_1k:.2f} | "
