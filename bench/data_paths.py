@@ -18,7 +18,6 @@ import json
 import os
 import statistics
 import time
-import urllib.request
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -27,8 +26,9 @@ import numpy as np
 import tritonclient.grpc as tc
 import tritonclient.grpc.aio as tc_aio
 
-from local_stack.harness import running_stack
+from local_stack.harness import RunningStack, running_stack
 from local_stack.processes import session_members
+from local_stack.ray_cluster import replicas
 from local_stack.triton_inputs import simple_inputs, tensor
 
 RESULTS = Path(__file__).resolve().parent.parent / "bench-results"
@@ -150,7 +150,7 @@ def run_mode(mode: str, sizes: list[str], concurrencies: list[int], seconds: flo
         envoy_sids = stack.pids(r"Envoy started \(pid (\d+)\)")
         triton_sid = stack.triton_pid()
         urls = {"direct": running.url("TRITON_GRPC_PORT"), "through": running.url("GRPC_PORT")}
-        replica = _replica_grpc_port(int(running.ports["RAY_DASHBOARD_PORT"]), running.ports)
+        replica = _replica_grpc_port(running)
         if replica:
             urls["replica"] = f"localhost:{replica}"
         for size in sizes:
@@ -188,17 +188,15 @@ def run_mode(mode: str, sizes: list[str], concurrencies: list[int], seconds: flo
     return cells
 
 
-def _replica_grpc_port(dashboard_port: int, ports: dict[str, str]) -> int | None:
+def _replica_grpc_port(running: RunningStack) -> int | None:
     """The first replica's own gRPC port in direct-ingress modes: the port in Serve's
     direct-ingress gRPC range (RAY_SERVE_DIRECT_INGRESS_MIN/MAX_GRPC_PORT) on which the
     replica's process listens. (Serve's `target_groups` list the proxy's port, HAProxy's in
     HAProxy mode, not the replicas'.)"""
-    url = f"http://127.0.0.1:{dashboard_port}/api/serve/applications/"
+    ports = running.ports
     try:
-        with urllib.request.urlopen(url, timeout=10) as response:
-            details = json.load(response)
-        replicas = details["applications"]["triton"]["deployments"]["TritonForwarder"]["replicas"]
-        pid = int(replicas[0]["pid"])
+        found = replicas(f"http://127.0.0.1:{ports['RAY_DASHBOARD_PORT']}", running.ray_token)
+        pid = int(found[0]["pid"])
     except (OSError, KeyError, IndexError, TypeError, ValueError):
         return None
     low = int(ports.get("RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT", "40000"))

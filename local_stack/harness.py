@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -148,6 +149,7 @@ class RunningStack:
     process: StackProcess
     ports: dict[str, str]
     model_repository: Path
+    ray_token: str
 
     def url(self, port_name: str) -> str:
         return f"localhost:{self.ports[port_name]}"
@@ -174,11 +176,14 @@ def running_stack(env: dict[str, str], wrapper: Sequence[str] = (),
     SIGTERM afterwards (its exit status is in `process.process.returncode`)."""
     repo = merged_model_repository([EXAMPLE_MODELS, TEST_MODELS])
     ports = stack_ports_env()
-    process = StackProcess({**ports, "MODEL_REPOSITORY": str(repo), **env}, wrapper)
+    # Ray's token: the stack turns Ray's token authentication on; the tests call its dashboard.
+    token = secrets.token_hex(32)
+    process = StackProcess({**ports, "MODEL_REPOSITORY": str(repo), "RAY_AUTH_TOKEN": token,
+                            **env}, wrapper)
     try:
         process.wait_for_line(r"\bready\b", timeout_s=420)
         process.wait_for_line(ready_pattern, timeout_s=300)
-        yield RunningStack(process, ports, repo)
+        yield RunningStack(process, ports, repo, token)
     finally:
         process.stop()
         shutil.rmtree(repo, ignore_errors=True)

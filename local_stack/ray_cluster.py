@@ -37,9 +37,10 @@ def ray_env_defaults() -> dict[str, str]:
     return defaults
 
 
-def _environment(workdir: Path, admin_key: str) -> dict[str, str]:
+def _environment(settings: Settings, workdir: Path, admin_key: str) -> dict[str, str]:
     # What the caller's environment sets wins (make bench compares modes that way).
-    env = {**ray_env_defaults(), **os.environ, ADMIN_KEY_ENV: admin_key}
+    env = {**ray_env_defaults(), **os.environ, ADMIN_KEY_ENV: admin_key,
+           "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": settings.ray_token}
     # Only the shipped package: what runs in Ray here is what the ConfigMap ships.
     env["PYTHONPATH"] = str(SERVE_DIR)
     env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -77,14 +78,14 @@ def start_head(settings: Settings, workdir: Path, admin_key: str) -> subprocess.
         "--object-store-memory=1000000000",
         *_node_ports(),
     ]
-    return spawn(cmd, workdir / "ray.log", _environment(workdir, admin_key))
+    return spawn(cmd, workdir / "ray.log", _environment(settings, workdir, admin_key))
 
 
 def start_pod_node(settings: Settings, index: int, workdir: Path,
                    admin_key: str) -> subprocess.Popen[bytes]:
     ray = Path(sys.executable).with_name("ray")
     triton = settings.triton(index)
-    env = {**_environment(workdir, admin_key),
+    env = {**_environment(settings, workdir, admin_key),
            TRITON_ADDRESS_ENV: f"localhost:{triton.grpc}",
            TRITON_METRICS_URL_ENV: f"http://localhost:{triton.metrics}/metrics"}
     cmd = [
@@ -116,22 +117,23 @@ def deploy(settings: Settings, path: Path | None = None) -> None:
     """PUTs the Serve config to the dashboard's REST API, as KubeRay does."""
     # The first deploy imports Serve in the dashboard: slow on a busy 2-core machine.
     http("PUT", f"http://127.0.0.1:{settings.dashboard_port}/api/serve/applications/",
-         local_serve_config(settings, path), timeout_s=120)
+         settings.ray_token, local_serve_config(settings, path), timeout_s=120)
 
 
-def http(method: str, url: str, body: dict[str, Any] | None = None,
+def http(method: str, url: str, token: str, body: dict[str, Any] | None = None,
          timeout_s: float = 10) -> Any:
+    """A call to Ray's dashboard, which refuses any without the cluster's token."""
     data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(url, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(url, data=data, method=method, headers={
+        "Content-Type": "application/json", "Authorization": f"Bearer {token}"})
     with urllib.request.urlopen(request, timeout=timeout_s) as response:
         text = response.read().decode()
     return json.loads(text) if text.strip() else None
 
 
-def replicas(dashboard: str) -> list[dict[str, Any]]:
+def replicas(dashboard: str, token: str) -> list[dict[str, Any]]:
     """Serve's replicas of the Triton deployment, as its REST API reports them."""
-    apps = http("GET", f"{dashboard}/api/serve/applications/")
+    apps = http("GET", f"{dashboard}/api/serve/applications/", token)
     app = (apps.get("applications") or {}).get(APP) or {}
     found: list[dict[str, Any]] = (app.get("deployments") or {}).get(DEPLOYMENT, {}).get(
         "replicas", [])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -49,6 +50,9 @@ class Settings:
     dashboard_port: int
     serve_config: Path
     triton_args: tuple[str, ...]
+    # Ray's token authentication (RAY_AUTH_MODE=token), as KubeRay's authOptions turns on:
+    # every call to the dashboard and GCS needs it.
+    ray_token: str
 
     def triton(self, index: int) -> TritonPorts:
         """The ports of the Triton of simulated pod `index`."""
@@ -92,6 +96,7 @@ class Settings:
             dashboard_port=_int_env(env, "RAY_DASHBOARD_PORT", 8265),
             serve_config=config,
             triton_args=tuple(shlex.split(env.get("TRITON_ARGS", ""))),
+            ray_token=env.get("RAY_AUTH_TOKEN") or secrets.token_hex(32),
         )
         settings.check_ports()
         return settings

@@ -6,7 +6,8 @@ GRPC_PORT (8001, the clients' endpoint), TRITON_HTTP_PORT / TRITON_GRPC_PORT /
 TRITON_METRICS_PORT (8100 / 8101 / 8102, plus 10 per further pod), SERVE_GRPC_PORT (9000,
 gateway path), SERVE_HTTP_PORT (8000), GATEWAY_METRICS_PORT (9902), GATEWAY_ADMIN_PORT
 (9901, loopback), RAY_GCS_PORT (6379), RAY_DASHBOARD_PORT (8265), SERVE_CONFIG, TRITON_ARGS,
-SONIC_RAY_ADMIN_KEY (random when unset), SONIC_RAY_AUTH_TOKENS_FILE.
+SONIC_RAY_ADMIN_KEY (random when unset), SONIC_RAY_AUTH_TOKENS_FILE, RAY_AUTH_TOKEN (Ray runs
+with token authentication as in the cluster; random when unset).
 
 A simulated pod is a Ray node with one `triton` resource beside its own Triton. On the
 gateway path a pod is in discovery (the list Envoy balances over) while its Triton is ready
@@ -101,7 +102,7 @@ class Discovery:
     def _replica_pods(self) -> set[int]:
         s = self._stack.settings
         try:
-            found = ray_cluster.replicas(self._stack.dashboard)
+            found = ray_cluster.replicas(self._stack.dashboard, s.ray_token)
         except (urllib.error.URLError, OSError, ValueError):
             return set()
         by_address = {f"localhost:{s.triton(i).grpc}": i for i in range(s.tritons)}
@@ -185,7 +186,7 @@ class LocalStack:
 
         def dashboard_up() -> Any:
             try:
-                ray_cluster.http("GET", f"{self.dashboard}/api/version")
+                ray_cluster.http("GET", f"{self.dashboard}/api/version", s.ray_token)
                 return True
             except (urllib.error.URLError, OSError) as error:
                 return str(error)
@@ -246,7 +247,8 @@ class LocalStack:
             if answer is True:
                 return True
             try:
-                apps = ray_cluster.http("GET", f"{self.dashboard}/api/serve/applications/")
+                apps = ray_cluster.http("GET", f"{self.dashboard}/api/serve/applications/",
+                                        s.ray_token)
                 for app in apps["applications"].values():
                     if app.get("status") == "DEPLOY_FAILED":
                         raise SystemExit(f"Serve could not deploy: {app.get('message')}")

@@ -226,6 +226,8 @@ def extract(rayservice: dict[str, Any], stream: list[dict[str, Any]] | None = No
     annotations = (rayservice.get("metadata") or {}).get("annotations") or {}
     facts.put("accelerator", annotations.get(ACCELERATOR_ANNOTATION, "gpu"),
               f"metadata.annotations[{ACCELERATOR_ANNOTATION}]")
+    facts.put("rayAuthMode", (cluster.get("authOptions") or {}).get("mode", "disabled"),
+              "spec.rayClusterConfig.authOptions.mode")
     facts.put("headNumCpus", (head.get("rayStartParams") or {}).get("num-cpus"),
               "spec.rayClusterConfig.headGroupSpec.rayStartParams.num-cpus")
     serve = _serve_facts(facts, spec)
@@ -271,10 +273,36 @@ def _serve_facts(facts: Facts, spec: dict[str, Any]) -> _Serve:
     )
 
 
+def _serve_service_ports(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """The ports KubeRay v1.7.0 gives spec.serveService (BuildServeService in
+    ray-operator/controllers/ray/common/service.go): every head container port named `serve`
+    or `serve-*`, plus `serve: 8000` when no head port is named `serve` and none holds 8000;
+    each as the user wrote it where a user port has that name. Without such ports, the user's."""
+    head = (((spec.get("rayClusterConfig") or {}).get("headGroupSpec") or {}).get("template")
+            or {}).get("spec") or {}
+    containers = head.get("containers") or [{}]
+    named = {p.get("name") or f"{p.get('containerPort')}-port": p.get("containerPort")
+             for p in containers[0].get("ports") or []}
+    if "serve" not in named and 8000 not in named.values():
+        named["serve"] = 8000
+    auto = {name: port for name, port in named.items()
+            if name == "serve" or str(name).startswith("serve-")}
+    user = {p.get("name"): p for p in (spec.get("serveService") or {}).get("spec", {})
+            .get("ports") or []}
+    if not auto:
+        return list(user.values())
+    return [user.get(name, {"name": name, "port": port}) for name, port in sorted(auto.items())]
+
+
 def _client_facts(facts: Facts, spec: dict[str, Any], stream: list[dict[str, Any]],
                   serve: _Serve) -> None:
     """Where the clients' Service sends port 8001: the gateway, or Serve's gRPC proxy."""
     gateway_port = _add_gateway_facts(facts, stream, spec, _serve_config(spec))
+    if spec.get("serveService"):
+        leaked = [p for p in _serve_service_ports(spec)
+                  if _int(p.get("targetPort", p.get("port"))) != serve.grpc_port]
+        facts.put("serveServiceLeakedPorts", [f"{p.get('name')}: {p.get('port')}" for p in leaked],
+                  "spec.serveService.spec.ports as KubeRay merges the head's serve ports")
     if gateway_port is None:
         # The Serve path: KubeRay's serve Service to Serve's gRPC proxy.
         for index, port in enumerate((spec.get("serveService") or {}).get("spec", {})

@@ -58,7 +58,7 @@ async def load(url: str, seconds: float, callers: int, model: str = "simple",
 
 def _running(running: RunningStack) -> int:
     dashboard = f"http://127.0.0.1:{running.ports['RAY_DASHBOARD_PORT']}"
-    return [r["state"] for r in replicas(dashboard)].count("RUNNING")
+    return [r["state"] for r in replicas(dashboard, running.ray_token)].count("RUNNING")
 
 
 def scale_cycle(running: RunningStack, load_s: float = 25, watch_s: float = 60,

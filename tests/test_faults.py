@@ -10,6 +10,8 @@ import queue
 import re
 import signal
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -188,3 +190,19 @@ def test_serve_replica_killed_under_load(stack: Stack) -> None:
     # Serve brought a replica back and calls succeed again by the end of the load.
     assert any(status == "OK" for status, _ in outcomes[-20:]), outcomes[-20:]
     assert len(_replica_pids()) == 1
+
+
+def test_ray_refuses_calls_without_its_token(stack: Stack) -> None:
+    """Ray's token authentication is on, as in the RayService (authOptions: token): the
+    dashboard's job API (which runs code on the cluster) refuses a caller without it."""
+    jobs = f"http://127.0.0.1:{stack.running.ports['RAY_DASHBOARD_PORT']}/api/jobs/"
+    for headers in ({}, {"Authorization": "Bearer not-the-token"}):
+        with pytest.raises(urllib.error.HTTPError) as caught:
+            urllib.request.urlopen(urllib.request.Request(jobs, headers=headers), timeout=10)
+        assert caught.value.code in (401, 403), headers
+    with urllib.request.urlopen(urllib.request.Request(
+            jobs, headers={"Authorization": f"Bearer {stack.running.ray_token}"}),
+            timeout=10) as response:
+        assert response.status == 200
+    # ...while the stack serves: the token is Ray's, not the clients'.
+    assert tc.InferenceServerClient(stack.url).is_server_ready()
