@@ -90,7 +90,7 @@ def _prefixes(pointer: str) -> list[str]:
 
 # Fields an older KubeRay drops silently (the API server prunes what its CRD does not know).
 _SINCE = {"resources": "worker-group resources need KubeRay >= 1.5",
-          "authOptions": "authOptions needs KubeRay >= 1.5"}
+          "authOptions": "authOptions needs KubeRay >= 1.5.1"}
 
 
 def crd_violations(obj: dict[str, Any], schema: dict[str, Any]) -> Iterator[str]:
