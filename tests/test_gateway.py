@@ -23,6 +23,9 @@ from local_stack.harness import RunningStack, processes_left_behind, running_sta
 from local_stack.triton_inputs import tensor
 from tests.load import DEADLINE_S, Outcome, load, scale_cycle
 
+# A stack of its own (or the session's): `make unit` leaves these out.
+pytestmark = pytest.mark.stack
+
 # Quick autoscaling for a test: Triton's metrics every half second, short delays, and a low
 # queue-time target that the slow model's queue crosses with a handful of callers.
 AUTOSCALING = {"metrics_interval_s": 0.5, "look_back_period_s": 2, "upscale_delay_s": 1,

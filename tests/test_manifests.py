@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -13,10 +14,22 @@ import pytest
 import yaml
 
 from schema.check import DEFAULT_KUBERNETES_VERSION, check_stream
-from tests.kustomize import KUBECTLS, OVERLAYS, PINNED_KUBECTL, ROOT, build
+from tests.kustomize import KUBECTLS, OVERLAYS, PINNED_KUBECTL, ROOT, build, checked
 
 FIXTURES = ROOT / "tests" / "fixtures" / "invariants"
 INVARIANTS = sorted(p.name for p in FIXTURES.iterdir() if p.is_dir())
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _builds_in_parallel() -> None:
+    """Every build this module asks for, made up front two at a time (kubectl is CPU-bound, the
+    machine has two cores); `build` keeps them."""
+    dirs = [*OVERLAYS, *(d for invariant in INVARIANTS
+                         for d in (FIXTURES / invariant / "allowed", FIXTURES / invariant / "disallowed")),
+            *sorted((ROOT / "tests" / "fixtures" / "components").iterdir())]
+    jobs = [(d, PINNED_KUBECTL) for d in dirs] + [(o, k) for o in OVERLAYS for k in KUBECTLS]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        list(pool.map(lambda job: build(*job), jobs))
 
 
 def objects(text: str) -> list[dict[str, Any]]:
@@ -32,7 +45,7 @@ def rayservice(text: str) -> dict[str, Any]:
 @pytest.mark.parametrize("overlay", OVERLAYS, ids=[o.name for o in OVERLAYS])
 def test_overlay_builds_and_passes_every_check(overlay: Path, kubectl: Path) -> None:
     built = build(overlay, kubectl)
-    problems, rayservices = check_stream(built, DEFAULT_KUBERNETES_VERSION)
+    problems, rayservices = checked(built)
     assert problems == []
     assert rayservices == 1
 
@@ -130,7 +143,7 @@ def test_nautilus_overlay_is_the_site() -> None:
 
 def test_optional_components_build_together() -> None:
     built = build(ROOT / "tests" / "fixtures" / "components" / "all-optional")
-    problems, _ = check_stream(built, DEFAULT_KUBERNETES_VERSION)
+    problems, _ = checked(built)
     assert problems == []
     triton = rayservice(built)["spec"]["rayClusterConfig"]["workerGroupSpecs"][0][
         "template"]["spec"]["containers"][1]
@@ -144,7 +157,7 @@ def test_optional_components_build_together() -> None:
 
 def test_mig_on_a_site_overlay_claims_one_slice_in_requests_and_limits() -> None:
     built = build(ROOT / "tests" / "fixtures" / "components" / "nautilus-mig")
-    problems, _ = check_stream(built, DEFAULT_KUBERNETES_VERSION)
+    problems, _ = checked(built)
     assert problems == []
     pod = rayservice(built)["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"]
     (triton,) = [c for c in pod["containers"] if c["name"] == "triton"]
@@ -156,7 +169,7 @@ def test_mig_on_a_site_overlay_claims_one_slice_in_requests_and_limits() -> None
 
 @pytest.mark.parametrize("invariant", INVARIANTS)
 def test_known_good_fixture_passes(invariant: str) -> None:
-    problems, _ = check_stream(build(FIXTURES / invariant / "allowed"), DEFAULT_KUBERNETES_VERSION)
+    problems, _ = checked(build(FIXTURES / invariant / "allowed"))
     assert problems == []
 
 
@@ -164,7 +177,7 @@ def test_known_good_fixture_passes(invariant: str) -> None:
 def test_known_bad_fixture_is_refused_naming_object_and_field(invariant: str) -> None:
     name, field = (FIXTURES / invariant / "disallowed" / "expected").read_text().split("\n")[:2]
     assert name == invariant
-    problems, _ = check_stream(build(FIXTURES / invariant / "disallowed"), DEFAULT_KUBERNETES_VERSION)
+    problems, _ = checked(build(FIXTURES / invariant / "disallowed"))
     mine = [p for p in problems if p.startswith(f"{invariant}: ")]
     assert mine, problems
     assert any(field in p and ("RayService " in p or "Service " in p) for p in mine), mine

@@ -18,6 +18,9 @@ import tritonclient.grpc as tc
 from local_stack.harness import EXAMPLE_MODELS, RunningStack, processes_left_behind, running_stack
 from local_stack.triton_inputs import simple_inputs, tensor
 
+# A stack of its own (or the session's): `make unit` leaves these out.
+pytestmark = pytest.mark.stack
+
 READ_ONLY_ROOT = [
     # A user namespace of its own: needs no privilege, so CI runs it as any user.
     "unshare", "--user", "--map-root-user", "--mount", "--propagation", "private", "sh", "-c",

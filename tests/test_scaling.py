@@ -20,6 +20,9 @@ from local_stack.triton_inputs import tensor
 from tests.load import scale_cycle
 from tests.test_gateway import AUTOSCALING
 
+# A stack of its own (or the session's): `make unit` leaves these out.
+pytestmark = pytest.mark.stack
+
 
 @pytest.fixture(scope="module")
 def serve_pods(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:

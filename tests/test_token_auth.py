@@ -20,6 +20,9 @@ from local_stack.harness import processes_left_behind, running_stack
 from local_stack.triton_inputs import tensor
 from tests.conftest import DATA_PATHS
 
+# A stack of its own (or the session's): `make unit` leaves these out.
+pytestmark = pytest.mark.stack
+
 FIRST = "tok-first-5f1c0a"
 SECOND = "tok-second-9e27b4"
 ROTATED = "tok-rotated-c83d61"

@@ -17,6 +17,9 @@ from tritonclient.utils import InferenceServerException
 from local_stack.triton_inputs import simple_inputs
 from tests.conftest import Stack
 
+# A stack of its own (or the session's): `make unit` leaves these out.
+pytestmark = pytest.mark.stack
+
 DEADLINE_S = 10.0
 
 
