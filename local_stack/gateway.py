@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from local_stack.settings import ROOT, Settings
+from schema.gateway_config import named
 
 CONFIG = ROOT / "gateway" / "envoy.yaml"
 CLUSTER = "triton"
@@ -27,37 +28,21 @@ def envoy_binary() -> Path:
     return Path(sys.executable).with_name("envoy")
 
 
-def _listener(config: dict[str, Any], name: str) -> dict[str, Any]:
-    listener: dict[str, Any] = next(
-        item for item in config["static_resources"]["listeners"] if item["name"] == name)
-    return listener
-
-
-def _cluster(config: dict[str, Any], name: str) -> dict[str, Any]:
-    cluster: dict[str, Any] = next(
-        item for item in config["static_resources"]["clusters"] if item["name"] == name)
-    return cluster
-
-
 def _socket(address: dict[str, Any]) -> dict[str, Any]:
     socket: dict[str, Any] = address["socket_address"]
     return socket
 
 
-def http_filters(config: dict[str, Any], listener: str) -> list[dict[str, Any]]:
-    manager = _listener(config, listener)["filter_chains"][0]["filters"][0]["typed_config"]
-    filters: list[dict[str, Any]] = manager["http_filters"]
-    return filters
-
-
 def local_config(settings: Settings, endpoints_file: Path) -> dict[str, Any]:
     config: dict[str, Any] = yaml.safe_load(CONFIG.read_text())
     _socket(config["admin"]["address"])["port_value"] = settings.gateway_admin_port
-    _socket(_listener(config, "triton-grpc")["address"])["port_value"] = settings.grpc_port
-    _socket(_listener(config, "metrics")["address"])["port_value"] = settings.gateway_metrics_port
-    admin = _cluster(config, "envoy-admin")["load_assignment"]["endpoints"][0]["lb_endpoints"][0]
+    _socket(named(config, "listeners", "triton-grpc")["address"])["port_value"] = settings.grpc_port
+    _socket(named(config, "listeners", "metrics")["address"])["port_value"] = (
+        settings.gateway_metrics_port)
+    admin = named(config, "clusters", "envoy-admin")["load_assignment"]["endpoints"][0][
+        "lb_endpoints"][0]
     _socket(admin["endpoint"]["address"])["port_value"] = settings.gateway_admin_port
-    triton = _cluster(config, CLUSTER)
+    triton = named(config, "clusters", CLUSTER)
     for key in ("load_assignment", "cluster_type"):
         triton.pop(key, None)
     # Discovery from a file needs the node named.
@@ -95,17 +80,11 @@ def command(config_path: Path, log_level: str = "warning") -> list[str]:
             "--disable-hot-restart", "-l", log_level]
 
 
-def upstream_ports(admin_port: int) -> dict[int, dict[str, Any]]:
-    """The Tritons Envoy has in its `triton` cluster now, with their health and calls."""
+def upstream_ports(admin_port: int) -> set[int]:
+    """The Triton ports Envoy has in its `triton` cluster now."""
     url = f"http://127.0.0.1:{admin_port}/clusters?format=json"
     with urllib.request.urlopen(url, timeout=5) as response:
         status = json.load(response)
-    hosts: dict[int, dict[str, Any]] = {}
-    for cluster in status.get("cluster_statuses", []):
-        if cluster.get("name") != CLUSTER:
-            continue
-        for host in cluster.get("host_statuses", []):
-            port = host["address"]["socket_address"]["port_value"]
-            stats = {s["name"]: int(s.get("value", 0)) for s in host.get("stats", [])}
-            hosts[int(port)] = {"health": host.get("health_status", {}), **stats}
-    return hosts
+    return {int(host["address"]["socket_address"]["port_value"])
+            for cluster in status.get("cluster_statuses", []) if cluster.get("name") == CLUSTER
+            for host in cluster.get("host_statuses", [])}

@@ -67,15 +67,19 @@ def _wait(what: str, check: Callable[[], Any], timeout_s: float,
         time.sleep(0.5)
 
 
-def server_ready(port: int, metadata: tuple[tuple[str, str], ...] = ()) -> Any:
-    with grpc.insecure_channel(f"localhost:{port}") as channel:
-        ready = channel.unary_unary(f"/{SERVICE}/ServerReady")
-        try:
-            # No progress line may contain the word the final line is known by.
-            answer = ready(b"", timeout=2, metadata=metadata)
-            return True if answer == b"\x08\x01" else "models still loading"
-        except grpc.RpcError as error:
-            return f"{error.code().name}: {error.details()}"
+def server_ready(port: int, metadata: tuple[tuple[str, str], ...] = (),
+                 channel: grpc.Channel | None = None) -> Any:
+    """True once Triton (or the clients' endpoint) at `port` answers ready, else why not."""
+    if channel is None:
+        with grpc.insecure_channel(f"localhost:{port}") as own:
+            return server_ready(port, metadata, own)
+    try:
+        # No progress line may contain the word the final line is known by.
+        answer = channel.unary_unary(f"/{SERVICE}/ServerReady")(b"", timeout=2,
+                                                               metadata=metadata)
+        return True if answer == b"\x08\x01" else "models still loading"
+    except grpc.RpcError as error:
+        return f"{error.code().name}: {error.details()}"
 
 
 class Discovery:
@@ -88,6 +92,11 @@ class Discovery:
         self.path = stack.workdir / "gateway" / "endpoints.json"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.listed: set[int] = set()
+        # Polled twice a second: one channel per Triton, and each replica process's Triton
+        # read from its environment once.
+        self._channels = {i: grpc.insecure_channel(f"localhost:{stack.settings.triton(i).grpc}")
+                          for i in range(stack.settings.tritons)}
+        self._pod_of_pid: dict[int, int | None] = {}
         gateway.write_endpoints(self.path, [])
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="discovery", daemon=True)
@@ -98,6 +107,8 @@ class Discovery:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
+        for channel in self._channels.values():
+            channel.close()
 
     def _replica_pods(self) -> set[int]:
         s = self._stack.settings
@@ -109,9 +120,13 @@ class Discovery:
         pods = set()
         for replica in found:
             if replica.get("state") == "RUNNING":
-                address = ray_cluster.replica_triton_address(int(replica.get("pid") or 0))
-                if address in by_address:
-                    pods.add(by_address[address])
+                pid = int(replica.get("pid") or 0)
+                if self._pod_of_pid.get(pid) is None:
+                    address = ray_cluster.replica_triton_address(pid)
+                    self._pod_of_pid[pid] = by_address.get(address or "")
+                pod = self._pod_of_pid[pid]
+                if pod is not None:
+                    pods.add(pod)
         return pods
 
     def _run(self) -> None:
@@ -121,7 +136,7 @@ class Discovery:
             with_replica = self._replica_pods()
             ready = {i for i in with_replica
                      if not self._stack.tritons[i].retiring
-                     and server_ready(s.triton(i).grpc) is True}
+                     and server_ready(s.triton(i).grpc, channel=self._channels[i]) is True}
             if ready != self.listed:
                 gateway.write_endpoints(self.path, [s.triton(i).grpc for i in ready])
                 say(f"gateway discovery: pods {sorted(ready)} "

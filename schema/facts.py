@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from schema.gateway_config import refusal_problems
+from schema.gateway_config import named, refusal_problems
 from triton_forwarder import APP_IMPORT_PATH as FORWARDER_IMPORT_PATH
 from triton_forwarder.access import ADMIN_HEADER, ADMIN_KEY_NAME
 
@@ -156,12 +156,11 @@ def _envoy_ports(envoy: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any],
                  for item in static.get("listeners") or []}
     admin = (envoy.get("admin") or {}).get("address", {}).get("socket_address", {})
     cluster_port = None
-    for cluster in static.get("clusters") or []:
-        if cluster.get("name") == "triton":
-            for group in (cluster.get("load_assignment") or {}).get("endpoints") or []:
-                for endpoint in group.get("lb_endpoints") or []:
-                    cluster_port = _int(endpoint.get("endpoint", {}).get("address", {})
-                                        .get("socket_address", {}).get("port_value"))
+    for group in (named(envoy, "clusters", "triton").get("load_assignment") or {}).get(
+            "endpoints") or []:
+        for endpoint in group.get("lb_endpoints") or []:
+            cluster_port = _int(endpoint.get("endpoint", {}).get("address", {})
+                                .get("socket_address", {}).get("port_value"))
     return listeners, admin, cluster_port
 
 
@@ -186,8 +185,7 @@ def _add_gateway_facts(facts: Facts, stream: list[dict[str, Any]], spec: dict[st
               f"{source} http_filters[envoy.filters.http.lua]")
     facts.put("gatewayTritonClusterPort", cluster_port,
               f"{source} clusters[triton] endpoint port_value")
-    triton: dict[str, Any] = next((c for c in (envoy.get("static_resources") or {}).get("clusters") or []
-                   if c.get("name") == "triton"), {})
+    triton = named(envoy, "clusters", "triton")
     dns = ((triton.get("cluster_type") or {}).get("typed_config") or {})
     refresh = dns.get("dns_refresh_rate") or triton.get("dns_refresh_rate") or "5s"  # default
     facts.put("gatewayDnsRefreshS", _seconds(refresh), f"{source} clusters[triton].dns_refresh_rate")
@@ -216,6 +214,7 @@ class _Serve:
     max_replicas: Any
     graceful_s: Any
     ready_timeout_s: Any
+    config: dict[str, Any]
 
 
 def extract(rayservice: dict[str, Any], stream: list[dict[str, Any]] | None = None) -> Facts:
@@ -271,6 +270,7 @@ def _serve_facts(facts: Facts, spec: dict[str, Any]) -> _Serve:
         max_replicas=max_replicas,
         graceful_s=_int(deployment.get("graceful_shutdown_timeout_s", 20)),
         ready_timeout_s=_int((app.get("args") or {}).get("ready_timeout_s", 600)),
+        config=config,
     )
 
 
@@ -298,7 +298,7 @@ def _serve_service_ports(spec: dict[str, Any]) -> list[dict[str, Any]]:
 def _client_facts(facts: Facts, spec: dict[str, Any], stream: list[dict[str, Any]],
                   serve: _Serve) -> None:
     """Where the clients' Service sends port 8001: the gateway, or Serve's gRPC proxy."""
-    gateway_port = _add_gateway_facts(facts, stream, spec, _serve_config(spec))
+    gateway_port = _add_gateway_facts(facts, stream, spec, serve.config)
     if spec.get("serveService"):
         leaked = [p for p in _serve_service_ports(spec)
                   if _int(p.get("targetPort", p.get("port"))) != serve.grpc_port]

@@ -73,14 +73,20 @@ def render(text: str, allowed: list[str]) -> str:
     return "".join(lines[: header_end + 1] + routes + lines[end:])
 
 
+def named(envoy: dict[str, Any], kind: str, name: str) -> dict[str, Any]:
+    """The listener or cluster (`kind`: listeners, clusters) of that name; {} when absent."""
+    items = (envoy.get("static_resources") or {}).get(kind) or []
+    found: dict[str, Any] = next((i for i in items if i.get("name") == name), {})
+    return found
+
+
 def triton_routes(envoy: dict[str, Any]) -> list[dict[str, Any]]:
-    for listener in envoy.get("static_resources", {}).get("listeners", []):
-        if listener.get("name") != "triton-grpc":
-            continue
-        manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
-        routes: list[dict[str, Any]] = manager["route_config"]["virtual_hosts"][0]["routes"]
-        return routes
-    return []
+    listener = named(envoy, "listeners", "triton-grpc")
+    if not listener:
+        return []
+    manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    routes: list[dict[str, Any]] = manager["route_config"]["virtual_hosts"][0]["routes"]
+    return routes
 
 
 def refusal_problems(envoy: dict[str, Any], serve_config: dict[str, Any]) -> list[str]:

@@ -20,14 +20,13 @@ import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as tc
-import tritonclient.grpc.aio as tc_aio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tritonclient.grpc import service_pb2
 from tritonclient.utils import InferenceServerException
 
-from local_stack.triton_inputs import simple_inputs
 from tests.conftest import MESSAGE_LIMIT, Stack
+from tests.load import Outcome, load
 
 INFER = "/inference.GRPCInferenceService/ModelInfer"
 
@@ -145,37 +144,14 @@ def test_serve_replica_killed_under_load(stack: Stack) -> None:
     if stack.data_path == "gateway":
         pytest.skip("on the gateway path no call passes a replica (test_gateway.py kills a "
                     "Triton and removes a pod instead)")
-    outcomes: list[tuple[str, float]] = []
-    a = np.ones((1, 16), dtype=np.int32)
-
-    async def load(seconds: float) -> None:
-        client = tc_aio.InferenceServerClient(stack.url)
-        end = time.monotonic() + seconds
-
-        async def worker() -> None:
-            while time.monotonic() < end:
-                inputs = simple_inputs(a, a)
-                started = time.monotonic()
-                try:
-                    await client.infer("simple", inputs, client_timeout=10)
-                    outcomes.append(("OK", time.monotonic() - started))
-                except InferenceServerException as error:
-                    outcomes.append((str(error.status()), time.monotonic() - started))
-                    await asyncio.sleep(0.2)
-
-        try:
-            await asyncio.gather(*(worker() for _ in range(8)))
-        finally:
-            await client.close()
-
-    async def kill_then_load() -> None:
-        task = asyncio.ensure_future(load(40))
+    async def kill_then_load() -> list[Outcome]:
+        task = asyncio.ensure_future(load(stack.url, 40, 8))
         await asyncio.sleep(3)
         (pid,) = _replica_pids()
         os.kill(pid, signal.SIGKILL)
-        await task
+        return await task
 
-    asyncio.run(kill_then_load())
+    outcomes = [(status, seconds) for _, status, seconds in asyncio.run(kill_then_load())]
     statuses = [status for status, _ in outcomes]
     print(f"replica killed: {len(outcomes)} calls, {statuses.count('OK')} ok, "
           f"{len(outcomes) - statuses.count('OK')} ended with a status "
