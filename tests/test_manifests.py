@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
-from schema.check import DEFAULT_KUBERNETES_VERSION, check_stream
+from schema.check import DEFAULT_KUBERNETES_VERSION, check_stream, rayservice_violations
 from tests.kustomize import KUBECTLS, OVERLAYS, PINNED_KUBECTL, ROOT, build, checked
 
 FIXTURES = ROOT / "tests" / "fixtures" / "invariants"
@@ -139,6 +139,14 @@ def test_nautilus_overlay_is_the_site() -> None:
     assert not any("RecoEgamma" in a for a in triton["args"])
     assert all("CMSSW_14_1_0_pre7" in a for a in triton["args"] if "model-repository" in a)
     assert triton["resources"]["limits"] == {"cpu": "1", "memory": "3G", "nvidia.com/gpu": 1}
+    (ray,) = [c for c in spec["containers"] if c["name"] == "ray-worker"]
+    assert ray["resources"]["requests"]["cpu"] == ray["resources"]["limits"]["cpu"] == "1"
+    # The head and the gateway in the GPU nodes' zone.
+    zone = {"topology.kubernetes.io/zone": "ucsd"}
+    head = rayservice(yaml.safe_dump_all(built))["spec"]["rayClusterConfig"]["headGroupSpec"]
+    assert head["template"]["spec"]["nodeSelector"] == zone
+    (gateway,) = [o for o in built if o["kind"] == "Deployment"]
+    assert gateway["spec"]["template"]["spec"]["nodeSelector"] == zone
 
 
 def test_optional_components_build_together() -> None:
@@ -165,6 +173,28 @@ def test_mig_on_a_site_overlay_claims_one_slice_in_requests_and_limits() -> None
         claims = {k: v for k, v in triton["resources"][kind].items() if k.startswith("nvidia.com/")}
         assert claims == {"nvidia.com/mig-1g.10gb": 1}, (kind, triton["resources"])
     assert triton["resources"]["limits"]["cpu"] == "1"  # the site's own size stays
+
+
+def test_the_injected_autoscaler_container_is_checked_for_hardening() -> None:
+    """KubeRay adds the autoscaler container from autoscalerOptions; the build has no such
+    container, so the check reads autoscalerOptions.securityContext instead."""
+    service = rayservice(build(ROOT / "overlays" / "purdue-af"))
+    options = service["spec"]["rayClusterConfig"]["autoscalerOptions"]
+    assert options["securityContext"]["readOnlyRootFilesystem"] is True
+    options["securityContext"]["allowPrivilegeEscalation"] = True
+    problems = list(rayservice_violations(service))
+    assert any(p.startswith("containers-hardened: ") and
+               "autoscalerOptions.securityContext" in p for p in problems), problems
+
+
+def test_the_gateway_pods_are_checked_for_hardening() -> None:
+    built = objects(build(ROOT / "overlays" / "purdue-af"))
+    (gateway,) = [o for o in built if o["kind"] == "Deployment"]
+    gateway["spec"]["template"]["spec"]["containers"][0]["securityContext"][
+        "readOnlyRootFilesystem"] = False
+    problems, _ = check_stream(yaml.safe_dump_all(built), DEFAULT_KUBERNETES_VERSION)
+    assert any(p.startswith("containers-hardened: ") and "Deployment triton-gateway" in p
+               for p in problems), problems
 
 
 @pytest.mark.parametrize("invariant", INVARIANTS)
