@@ -18,10 +18,16 @@ from typing import Any
 import yaml
 
 from local_stack.settings import ROOT, Settings
-from schema.gateway_config import named
+from schema.gateway_config import (
+    GRPC_CLUSTER,
+    GRPC_LISTENER,
+    HTTP_CLUSTER,
+    HTTP_LISTENER,
+    named,
+)
 
 CONFIG = ROOT / "gateway" / "envoy.yaml"
-CLUSTER = "triton"
+CLUSTER = GRPC_CLUSTER
 
 
 def envoy_binary() -> Path:
@@ -33,33 +39,38 @@ def _socket(address: dict[str, Any]) -> dict[str, Any]:
     return socket
 
 
-def local_config(settings: Settings, endpoints_file: Path) -> dict[str, Any]:
+def local_config(settings: Settings, endpoints_file: Path,
+                 http_endpoints_file: Path) -> dict[str, Any]:
     config: dict[str, Any] = yaml.safe_load(CONFIG.read_text())
     _socket(config["admin"]["address"])["port_value"] = settings.gateway_admin_port
-    _socket(named(config, "listeners", "triton-grpc")["address"])["port_value"] = settings.grpc_port
+    _socket(named(config, "listeners", GRPC_LISTENER)["address"])["port_value"] = (
+        settings.grpc_port)
+    _socket(named(config, "listeners", HTTP_LISTENER)["address"])["port_value"] = (
+        settings.http_port)
     _socket(named(config, "listeners", "metrics")["address"])["port_value"] = (
         settings.gateway_metrics_port)
     admin = named(config, "clusters", "envoy-admin")["load_assignment"]["endpoints"][0][
         "lb_endpoints"][0]
     _socket(admin["endpoint"]["address"])["port_value"] = settings.gateway_admin_port
-    triton = named(config, "clusters", CLUSTER)
-    for key in ("load_assignment", "cluster_type"):
-        triton.pop(key, None)
     # Discovery from a file needs the node named.
     config["node"] = {"id": "local", "cluster": "sonic-ray-gateway"}
-    triton["type"] = "EDS"
-    triton["eds_cluster_config"] = {"eds_config": {
-        "resource_api_version": "V3",
-        "path_config_source": {"path": str(endpoints_file),
-                               "watched_directory": {"path": str(endpoints_file.parent)}},
-    }}
+    for name, path in ((GRPC_CLUSTER, endpoints_file), (HTTP_CLUSTER, http_endpoints_file)):
+        cluster = named(config, "clusters", name)
+        for key in ("load_assignment", "cluster_type"):
+            cluster.pop(key, None)
+        cluster["type"] = "EDS"
+        cluster["eds_cluster_config"] = {"eds_config": {
+            "resource_api_version": "V3",
+            "path_config_source": {"path": str(path),
+                                   "watched_directory": {"path": str(path.parent)}},
+        }}
     return config
 
 
-def endpoints_document(ports: Iterable[int]) -> dict[str, Any]:
+def endpoints_document(ports: Iterable[int], cluster: str = CLUSTER) -> dict[str, Any]:
     return {"resources": [{
         "@type": "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment",
-        "cluster_name": CLUSTER,
+        "cluster_name": cluster,
         "endpoints": [{"lb_endpoints": [
             {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1",
                                                          "port_value": port}}}}
@@ -67,10 +78,10 @@ def endpoints_document(ports: Iterable[int]) -> dict[str, Any]:
     }]}
 
 
-def write_endpoints(path: Path, ports: Iterable[int]) -> None:
+def write_endpoints(path: Path, ports: Iterable[int], cluster: str = CLUSTER) -> None:
     """Replaces the file by a rename, the change Envoy's directory watch reacts to."""
     staged = path.with_name(path.name + ".new")
-    staged.write_text(json.dumps(endpoints_document(ports)))
+    staged.write_text(json.dumps(endpoints_document(ports, cluster)))
     os.replace(staged, path)
 
 

@@ -19,7 +19,11 @@ from local_stack.ports import free_ports
 from local_stack.processes import spawn
 from local_stack.settings import SERVE_DIR, Settings
 from triton_forwarder.access import ADMIN_KEY_ENV
-from triton_forwarder.deployment import TRITON_ADDRESS_ENV, TRITON_METRICS_URL_ENV
+from triton_forwarder.deployment import (
+    TRITON_ADDRESS_ENV,
+    TRITON_HTTP_ADDRESS_ENV,
+    TRITON_METRICS_URL_ENV,
+)
 
 RAY_ENV_FILE = SERVE_DIR / "ray-env.env"
 APP = "triton"
@@ -87,6 +91,7 @@ def start_pod_node(settings: Settings, index: int, workdir: Path,
     triton = settings.triton(index)
     env = {**_environment(settings, workdir, admin_key),
            TRITON_ADDRESS_ENV: f"localhost:{triton.grpc}",
+           TRITON_HTTP_ADDRESS_ENV: f"localhost:{triton.http}",
            TRITON_METRICS_URL_ENV: f"http://localhost:{triton.metrics}/metrics"}
     cmd = [
         str(ray), "start", "--block", "--disable-usage-stats",
@@ -105,8 +110,10 @@ def local_serve_config(settings: Settings, path: Path | None = None) -> dict[str
     proxies (every pod would bind the same ports)."""
     config: dict[str, Any] = yaml.safe_load((path or settings.serve_config).read_text())
     config["proxy_location"] = "HeadOnly"
+    # On the Serve path its HTTP proxy is the clients' endpoint, reachable as the gateway is.
+    host = "0.0.0.0" if settings.data_path == "serve" else "127.0.0.1"
     config["http_options"] = {
-        **config.get("http_options", {}), "host": "127.0.0.1", "port": settings.serve_http_port
+        **config.get("http_options", {}), "host": host, "port": settings.serve_http_proxy_port
     }
     serve_grpc = settings.grpc_port if settings.data_path == "serve" else settings.serve_grpc_port
     config["grpc_options"] = {**config.get("grpc_options", {}), "port": serve_grpc}

@@ -41,6 +41,7 @@ class Settings:
     tritons: int
     model_repository: Path
     grpc_port: int
+    http_port: int
     serve_grpc_port: int
     serve_http_port: int
     gateway_metrics_port: int
@@ -64,6 +65,12 @@ class Settings:
     def client_port_owner(self) -> str:
         return "Envoy (the gateway)" if self.data_path == "gateway" else "Serve's gRPC proxy"
 
+    @property
+    def serve_http_proxy_port(self) -> int:
+        """Serve's HTTP proxy is the clients' HTTP endpoint on the Serve path; on the gateway
+        path Envoy holds HTTP_PORT and Serve's proxy (which serves no client) moves aside."""
+        return self.http_port if self.data_path == "serve" else self.serve_http_port
+
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> Settings:
         data_path = env.get("DATA_PATH") or "gateway"
@@ -83,8 +90,9 @@ class Settings:
             tritons=tritons,
             model_repository=repo,
             grpc_port=_int_env(env, "GRPC_PORT", 8001),
+            http_port=_int_env(env, "HTTP_PORT", 8000),
             serve_grpc_port=_int_env(env, "SERVE_GRPC_PORT", 9000),
-            serve_http_port=_int_env(env, "SERVE_HTTP_PORT", 8000),
+            serve_http_port=_int_env(env, "SERVE_HTTP_PORT", 9080),
             gateway_metrics_port=_int_env(env, "GATEWAY_METRICS_PORT", 9902),
             gateway_admin_port=_int_env(env, "GATEWAY_ADMIN_PORT", 9901),
             triton_base=TritonPorts(
@@ -104,12 +112,13 @@ class Settings:
     def check_ports(self) -> None:
         ports = {
             "GRPC_PORT": self.grpc_port,
-            "SERVE_HTTP_PORT": self.serve_http_port,
+            "HTTP_PORT": self.http_port,
             "RAY_GCS_PORT": self.gcs_port,
             "RAY_DASHBOARD_PORT": self.dashboard_port,
         }
         if self.data_path == "gateway":
             ports |= {"SERVE_GRPC_PORT": self.serve_grpc_port,
+                      "SERVE_HTTP_PORT": self.serve_http_port,
                       "GATEWAY_METRICS_PORT": self.gateway_metrics_port,
                       "GATEWAY_ADMIN_PORT": self.gateway_admin_port}
         for index in range(self.tritons):

@@ -2,9 +2,9 @@
 machine, run with the same Serve and Envoy configs as the cluster, until Ctrl-C or SIGTERM.
 
 Environment: DATA_PATH (gateway | serve), TRITONS (simulated pods, 1), MODEL_REPOSITORY,
-GRPC_PORT (8001, the clients' endpoint), TRITON_HTTP_PORT / TRITON_GRPC_PORT /
+GRPC_PORT / HTTP_PORT (8001 / 8000, the clients' endpoints), TRITON_HTTP_PORT / TRITON_GRPC_PORT /
 TRITON_METRICS_PORT (8100 / 8101 / 8102, plus 10 per further pod), SERVE_GRPC_PORT (9000,
-gateway path), SERVE_HTTP_PORT (8000), GATEWAY_METRICS_PORT (9902), GATEWAY_ADMIN_PORT
+gateway path), SERVE_HTTP_PORT (9080, gateway path), GATEWAY_METRICS_PORT (9902), GATEWAY_ADMIN_PORT
 (9901, loopback), RAY_GCS_PORT (6379), RAY_DASHBOARD_PORT (8265), SERVE_CONFIG, TRITON_ARGS,
 SONIC_RAY_ADMIN_KEY (random when unset), SONIC_RAY_AUTH_TOKENS_FILE, RAY_AUTH_TOKEN (Ray runs
 with token authentication as in the cluster; random when unset).
@@ -30,6 +30,7 @@ import tempfile
 import threading
 import time
 import urllib.error
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,7 @@ import yaml
 from local_stack import gateway, ray_cluster, triton
 from local_stack.processes import set_parent_death_signal, spawn, terminate
 from local_stack.settings import Settings
+from schema.gateway_config import HTTP_CLUSTER
 from triton_forwarder.access import ADMIN_KEY_ENV, TokenCheck
 from triton_forwarder.rpcs import SERVICE
 
@@ -82,6 +84,19 @@ def server_ready(port: int, metadata: tuple[tuple[str, str], ...] = (),
         return f"{error.code().name}: {error.details()}"
 
 
+def http_ready(port: int, headers: tuple[tuple[str, str], ...] = ()) -> Any:
+    """True once the HTTP endpoint at `port` answers Triton's readiness with 200, else why not."""
+    request = urllib.request.Request(f"http://localhost:{port}/v2/health/ready",
+                                     headers=dict(headers))
+    try:
+        with urllib.request.urlopen(request, timeout=2) as response:
+            return True if response.status == 200 else f"HTTP {response.status}"
+    except urllib.error.HTTPError as error:
+        return f"HTTP {error.code} on {port}"
+    except (urllib.error.URLError, OSError) as error:
+        return f"HTTP on {port}: {error}"
+
+
 class Discovery:
     """Gateway path: which Tritons Envoy may call, rewritten as pods become ready or go.
     A pod is listed while its Triton is ready, Serve runs a replica on its node and it is not
@@ -90,6 +105,7 @@ class Discovery:
     def __init__(self, stack: LocalStack) -> None:
         self._stack = stack
         self.path = stack.workdir / "gateway" / "endpoints.json"
+        self.http_path = stack.workdir / "gateway" / "endpoints-http.json"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.listed: set[int] = set()
         # Polled twice a second: one channel per Triton, and each replica process's Triton
@@ -98,6 +114,7 @@ class Discovery:
                           for i in range(stack.settings.tritons)}
         self._pod_of_pid: dict[int, int | None] = {}
         gateway.write_endpoints(self.path, [])
+        gateway.write_endpoints(self.http_path, [], HTTP_CLUSTER)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="discovery", daemon=True)
 
@@ -139,6 +156,8 @@ class Discovery:
                      and server_ready(s.triton(i).grpc, channel=self._channels[i]) is True}
             if ready != self.listed:
                 gateway.write_endpoints(self.path, [s.triton(i).grpc for i in ready])
+                gateway.write_endpoints(self.http_path, [s.triton(i).http for i in ready],
+                                        HTTP_CLUSTER)
                 say(f"gateway discovery: pods {sorted(ready)} "
                     f"(Triton gRPC ports {[s.triton(i).grpc for i in sorted(ready)]})")
                 self.listed = ready
@@ -191,7 +210,7 @@ class LocalStack:
         self._wait_for_clients_endpoint()
         self._print_endpoints()
         say(f"ready: Triton answers ServerReady through {s.client_port_owner} "
-            f"at localhost:{s.grpc_port}")
+            f"at localhost:{s.grpc_port}, and HTTP at localhost:{s.http_port}")
 
     def _start_ray(self) -> None:
         s = self.settings
@@ -231,11 +250,12 @@ class LocalStack:
         s = self.settings
         self.discovery = Discovery(self)
         config_path = self.workdir / "gateway" / "envoy.yaml"
-        config_path.write_text(yaml.safe_dump(gateway.local_config(s, self.discovery.path)))
+        config_path.write_text(yaml.safe_dump(gateway.local_config(
+            s, self.discovery.path, self.discovery.http_path)))
         # Envoy adds the admin key to the restricted RPCs that pass (gateway/envoy.yaml).
         self.envoy = spawn(gateway.command(config_path), self.workdir / "envoy.log",
                            {**os.environ, ADMIN_KEY_ENV: self.admin_key})
-        say(f"gateway: Envoy started (pid {self.envoy.pid}) on {s.grpc_port}, "
+        say(f"gateway: Envoy started (pid {self.envoy.pid}) on {s.grpc_port} and {s.http_port}, "
             f"log: {self.workdir / 'envoy.log'}")
         self.discovery.start()
 
@@ -260,6 +280,8 @@ class LocalStack:
         def clients_endpoint_ready() -> Any:
             answer = server_ready(s.grpc_port, credentials)
             if answer is True:
+                answer = http_ready(s.http_port, credentials)
+            if answer is True:
                 return True
             try:
                 apps = ray_cluster.http("GET", f"{self.dashboard}/api/serve/applications/",
@@ -277,8 +299,9 @@ class LocalStack:
 
     def _print_endpoints(self) -> None:
         s = self.settings
-        lines = [f"  Triton protocol (gRPC), the clients' endpoint: localhost:{s.grpc_port} "
-                 f"({s.client_port_owner})"]
+        http_owner = "Envoy (the gateway)" if s.data_path == "gateway" else "Serve's HTTP proxy"
+        lines = [f"  Triton protocol, the clients' endpoints: gRPC localhost:{s.grpc_port} "
+                 f"({s.client_port_owner}), HTTP localhost:{s.http_port} ({http_owner})"]
         for i in range(s.tritons):
             t = s.triton(i)
             lines.append(f"  pod {i} Triton: gRPC localhost:{t.grpc}, HTTP localhost:{t.http}, "
@@ -287,8 +310,9 @@ class LocalStack:
             lines.append(f"  gateway metrics: http://localhost:{s.gateway_metrics_port}"
                          "/stats/prometheus; Envoy admin (loopback): "
                          f"http://127.0.0.1:{s.gateway_admin_port}")
-        lines.append(f"  Serve HTTP: localhost:{s.serve_http_port}; "
-                     f"Ray dashboard: http://127.0.0.1:{s.dashboard_port}")
+        if s.data_path == "gateway":
+            lines.append(f"  Serve's HTTP proxy (no client calls): localhost:{s.serve_http_port}")
+        lines.append(f"  Ray dashboard: http://127.0.0.1:{s.dashboard_port}")
         print("endpoints:\n" + "\n".join(lines), flush=True)
 
     def check_deletions(self) -> None:

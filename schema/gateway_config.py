@@ -18,14 +18,18 @@ from typing import Any
 import yaml
 
 from schema import write_or_check
-from triton_forwarder.access import ADMIN_HEADER, ADMIN_KEY_ENV
-from triton_forwarder.rpcs import RPCS, refusal_message
+from triton_forwarder.access import ADMIN_HEADER, ADMIN_KEY_ENV, HTTP_ADMIN_HEADER
+from triton_forwarder.rpcs import HTTP_RESTRICTED, RPCS, refusal_message
 
 ROOT = Path(__file__).resolve().parent.parent
 ENVOY_CONFIG = ROOT / "gateway" / "envoy.yaml"
 SERVE_CONFIG = ROOT / "serve" / "serve-config.yaml"
-BEGIN = "# BEGIN refused-rpcs"
-END = "# END refused-rpcs"
+# The generated blocks: the gRPC listener's routes, then the HTTP listener's.
+GRPC_BLOCK = "refused-rpcs"
+HTTP_BLOCK = "refused-http"
+# The listeners and the Triton clusters they route to.
+GRPC_LISTENER, GRPC_CLUSTER = "triton-grpc", "triton"
+HTTP_LISTENER, HTTP_CLUSTER = "triton-http", "triton-http"
 # grpc-status 7, PERMISSION_DENIED: what Envoy answers a gRPC call for HTTP 403.
 REFUSAL_STATUS = 403
 
@@ -49,7 +53,7 @@ def refused_routes(allowed: list[str]) -> list[dict[str, Any]]:
                                                "body": {"inline_string": refusal_message(rpc)}}})
         elif rpc.restricted:
             routes.append({"match": {"path": rpc.path},
-                           "route": {"cluster": "triton", "timeout": "0s",
+                           "route": {"cluster": GRPC_CLUSTER, "timeout": "0s",
                                      "max_stream_duration": {"grpc_timeout_header_max": "0s"}},
                            "request_headers_to_add": [{"header": {
                                "key": ADMIN_HEADER,
@@ -57,20 +61,43 @@ def refused_routes(allowed: list[str]) -> list[dict[str, Any]]:
     return routes
 
 
-def render(text: str, allowed: list[str]) -> str:
-    """The config text with the block between the markers written from the allow-list."""
-    lines = text.splitlines(keepends=True)
-    begin = next(i for i, line in enumerate(lines) if BEGIN in line)
-    end = next(i for i, line in enumerate(lines) if END in line)
+def refused_http_routes(allowed: list[str]) -> list[dict[str, Any]]:
+    """The same for Triton's HTTP API: the listener's local_reply_config turns a refusal's text
+    into Triton's error shape, {"error": "..."}."""
+    routes: list[dict[str, Any]] = []
+    for rpc in HTTP_RESTRICTED:
+        match = {"safe_regex": {"regex": rpc.http_path}}
+        if rpc.refusal and rpc.name not in allowed:
+            routes.append({"match": match,
+                           "direct_response": {"status": REFUSAL_STATUS,
+                                               "body": {"inline_string": refusal_message(rpc)}}})
+        else:
+            routes.append({"match": match,
+                           "route": {"cluster": HTTP_CLUSTER, "timeout": "0s"},
+                           "request_headers_to_add": [{"header": {
+                               "key": HTTP_ADMIN_HEADER,
+                               "value": f"%ENVIRONMENT({ADMIN_KEY_ENV})%"}}]})
+    return routes
+
+
+def _render_block(lines: list[str], block: str, routes: list[dict[str, Any]]) -> list[str]:
+    begin = next(i for i, line in enumerate(lines) if f"# BEGIN {block}" in line)
+    end = next(i for i, line in enumerate(lines) if f"# END {block}" in line)
     indent = lines[end][: len(lines[end]) - len(lines[end].lstrip())]
-    routes = []
-    for route in refused_routes(allowed):
-        # One flow-style line per route: JSON is YAML, and the messages stay greppable.
-        routes.append(f"{indent}- {json.dumps(route)}\n")
+    # One flow-style line per route: JSON is YAML, and the messages stay greppable.
+    written = [f"{indent}- {json.dumps(route)}\n" for route in routes]
     header_end = begin
     while header_end + 1 < end and lines[header_end + 1].lstrip().startswith("#"):
         header_end += 1
-    return "".join(lines[: header_end + 1] + routes + lines[end:])
+    return lines[: header_end + 1] + written + lines[end:]
+
+
+def render(text: str, allowed: list[str]) -> str:
+    """The config text with the blocks between the markers written from the allow-list."""
+    lines = text.splitlines(keepends=True)
+    lines = _render_block(lines, GRPC_BLOCK, refused_routes(allowed))
+    lines = _render_block(lines, HTTP_BLOCK, refused_http_routes(allowed))
+    return "".join(lines)
 
 
 def named(envoy: dict[str, Any], kind: str, name: str) -> dict[str, Any]:
@@ -80,8 +107,8 @@ def named(envoy: dict[str, Any], kind: str, name: str) -> dict[str, Any]:
     return found
 
 
-def triton_routes(envoy: dict[str, Any]) -> list[dict[str, Any]]:
-    listener = named(envoy, "listeners", "triton-grpc")
+def listener_routes(envoy: dict[str, Any], name: str) -> list[dict[str, Any]]:
+    listener = named(envoy, "listeners", name)
     if not listener:
         return []
     manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
@@ -89,21 +116,30 @@ def triton_routes(envoy: dict[str, Any]) -> list[dict[str, Any]]:
     return routes
 
 
+def _match_key(route: dict[str, Any]) -> str:
+    match = route.get("match", {})
+    return str(match.get("path") or (match.get("safe_regex") or {}).get("regex"))
+
+
 def refusal_problems(envoy: dict[str, Any], serve_config: dict[str, Any]) -> list[str]:
     """How the config's refused routes differ from what the allow-list asks for."""
-    wanted = {r["match"]["path"]: r for r in refused_routes(allowed_admin_rpcs(serve_config))
-              if "direct_response" in r}
-    present = {r.get("match", {}).get("path"): r for r in triton_routes(envoy)
-               if "direct_response" in r}
+    allowed = allowed_admin_rpcs(serve_config)
     problems = []
-    for path in sorted(set(wanted) - set(present)):
-        problems.append(f"{path} is not refused, but allowed_admin_rpcs does not allow it")
-    for path in sorted(set(present) - set(wanted)):
-        problems.append(f"{path} is refused, but allowed_admin_rpcs allows it")
-    for path in sorted(set(wanted) & set(present)):
-        if present[path] != wanted[path]:
-            problems.append(f"{path} is refused with another status or message than "
-                            "serve/triton_forwarder/rpcs.py gives")
+    for listener, wanted_routes in ((GRPC_LISTENER, refused_routes(allowed)),
+                                    (HTTP_LISTENER, refused_http_routes(allowed))):
+        wanted = {_match_key(r): r for r in wanted_routes if "direct_response" in r}
+        present = {_match_key(r): r for r in listener_routes(envoy, listener)
+                   if "direct_response" in r}
+        for path in sorted(set(wanted) - set(present)):
+            problems.append(f"listener {listener}: {path} is not refused, but "
+                            "allowed_admin_rpcs does not allow it")
+        for path in sorted(set(present) - set(wanted)):
+            problems.append(f"listener {listener}: {path} is refused, but "
+                            "allowed_admin_rpcs allows it")
+        for path in sorted(set(wanted) & set(present)):
+            if present[path] != wanted[path]:
+                problems.append(f"listener {listener}: {path} is refused with another status "
+                                "or message than serve/triton_forwarder/rpcs.py gives")
     return problems
 
 

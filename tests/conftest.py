@@ -27,6 +27,8 @@ class Stack:
     url: str  # the clients' endpoint: Envoy, or Serve's gRPC proxy
     triton_url: str
     model_repository: Path
+    http_url: str  # the clients' HTTP endpoint: Envoy, or Serve's HTTP proxy
+    triton_http_url: str
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -56,7 +58,8 @@ def stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
         "SONIC_RAY_ADMIN_KEY": ADMIN_KEY,
     }) as running:
         yield Stack(data_path, running.process, running, running.url("GRPC_PORT"),
-                    running.url("TRITON_GRPC_PORT"), running.model_repository)
+                    running.url("TRITON_GRPC_PORT"), running.model_repository,
+                    running.url("HTTP_PORT"), running.url("TRITON_HTTP_PORT"))
     code = running.process.process.returncode
     assert code == 0, f"the local stack exited with {code} on SIGTERM"
     left = processes_left_behind(running.process)

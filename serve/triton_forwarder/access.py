@@ -28,6 +28,8 @@ ADMIN_KEY_ENV = "SONIC_RAY_ADMIN_KEY"
 # expects it in a gRPC header with this prefix.
 ADMIN_KEY_NAME = "sonic-ray-admin"
 ADMIN_HEADER = f"triton-grpc-protocol-{ADMIN_KEY_NAME}"
+# ...and in an HTTP header named like the key itself.
+HTTP_ADMIN_HEADER = ADMIN_KEY_NAME
 AUTHORIZATION = "authorization"
 _RECHECK_S = 5.0
 

@@ -5,7 +5,8 @@ ServerReady, fails its health check when Triton does not answer ServerLive, and 
 Triton's queue time to Serve's autoscaler (autoscaling.py turns that into replicas, the Ray
 autoscaler into GPU pods). On the gateway path (the default) Envoy carries the calls and the
 replica only steers; on the Serve path Serve's gRPC proxy hands each call to a replica, which
-forwards it to the Triton in its own pod, bytes in and bytes out."""
+forwards it to the Triton in its own pod, bytes in and bytes out, and Serve's HTTP proxy does
+the same with Triton's HTTP/REST API (http_forwarding.py)."""
 
 from __future__ import annotations
 
@@ -19,8 +20,11 @@ from typing import Any, Protocol
 import grpc
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ray import serve
+from starlette.requests import Request
+from starlette.responses import Response
 
 from .access import ADMIN_HEADER, AUTHORIZATION, TokenCheck, admin_key
+from .http_forwarding import HttpForwarder
 from .rpcs import BY_NAME, REFUSABLE, RPCS, Rpc, refusal_message
 from .servicer import TIMEOUT_KEY
 from .triton_metrics import QUEUE_METRIC, QueueTime, scrape
@@ -40,6 +44,7 @@ _UNAUTHENTICATED = "missing or invalid bearer token (send `authorization: Bearer
 # Set only by `make local`, whose simulated pods share one host: each Ray node's replica talks
 # to its own Triton, as a pod's does on localhost.
 TRITON_ADDRESS_ENV = "SONIC_RAY_TRITON_ADDRESS"
+TRITON_HTTP_ADDRESS_ENV = "SONIC_RAY_TRITON_HTTP_ADDRESS"
 TRITON_METRICS_URL_ENV = "SONIC_RAY_TRITON_METRICS_URL"
 
 
@@ -50,6 +55,10 @@ class ForwarderArgs(BaseModel):
 
     triton_address: str = Field(
         "localhost:8001", description="host:port of the Triton gRPC endpoint in this pod"
+    )
+    triton_http_address: str = Field(
+        "localhost:8100",
+        description="host:port of the Triton HTTP endpoint in this pod (Serve path's HTTP)",
     )
     triton_metrics_url: str = Field(
         "http://localhost:8002/metrics",
@@ -142,8 +151,10 @@ class TritonForwarder:
     # is ready.
     async def __init__(self, args: ForwarderArgs) -> None:  # type: ignore[misc]
         address = os.environ.get(TRITON_ADDRESS_ENV) or args.triton_address
+        http_address = os.environ.get(TRITON_HTTP_ADDRESS_ENV) or args.triton_http_address
         metrics_url = os.environ.get(TRITON_METRICS_URL_ENV) or args.triton_metrics_url
         args = args.model_copy(update={"triton_address": address,
+                                       "triton_http_address": http_address,
                                        "triton_metrics_url": metrics_url})
         self._args = args
         self._queue_time = QueueTime()
@@ -165,6 +176,8 @@ class TritonForwarder:
         self._allowed = frozenset(args.allowed_admin_rpcs)
         self._tokens = TokenCheck.from_env()
         self._admin_key = admin_key()
+        self._http = HttpForwarder(args.triton_http_address, self._allowed, self._tokens,
+                                   self._admin_key)
         await self._wait_for_triton()
 
     async def _wait_for_triton(self) -> None:
@@ -193,6 +206,10 @@ class TritonForwarder:
                 logger.info("waiting for Triton at %s to be ready (%s)", address, last_error)
                 next_log = now + 10.0
             await asyncio.sleep(0.5)
+
+    async def __call__(self, request: Request) -> Response:
+        """Serve's HTTP proxy: Triton's HTTP/REST API, passed to this pod's Triton."""
+        return await self._http.forward(request)
 
     async def check_health(self) -> None:
         """Serve's health check: a Triton that does not answer ServerLive fails the replica."""

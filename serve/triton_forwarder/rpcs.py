@@ -18,6 +18,9 @@ class Rpc:
     # In one of the protocol groups Triton restricts (--grpc-restricted-protocol): the forwarder
     # sends the admin key with it.
     restricted: bool = False
+    # The same call in Triton's HTTP/REST API: a regular expression (RE2 and Python alike) that
+    # the whole URL path matches; only RPCs that are refused or restricted need one.
+    http_path: str = ""
 
     @property
     def path(self) -> str:
@@ -31,6 +34,9 @@ _ONE_REPLICA = (
 _SHARED_MEMORY = (
     "shared memory is memory on the client's host, which a Triton in a remote pod cannot see"
 )
+# One path segment, and the optional region segment of Triton's shared-memory endpoints.
+_NAME = "[^/]+"
+_REGION = f"(/region/{_NAME})?"
 _ONE_POD = "it would change the settings of only the one Triton replica that this call reaches"
 
 RPCS: tuple[Rpc, ...] = (
@@ -43,20 +49,30 @@ RPCS: tuple[Rpc, ...] = (
     Rpc("ModelStreamInfer", streaming=True),
     Rpc("ModelConfig"),
     Rpc("ModelStatistics"),
-    Rpc("RepositoryIndex", restricted=True),
-    Rpc("RepositoryModelLoad", refusal=_ONE_REPLICA, restricted=True),
-    Rpc("RepositoryModelUnload", refusal=_ONE_REPLICA, restricted=True),
-    Rpc("SystemSharedMemoryStatus", restricted=True),
-    Rpc("SystemSharedMemoryRegister", refusal=_SHARED_MEMORY, restricted=True),
-    Rpc("SystemSharedMemoryUnregister", refusal=_SHARED_MEMORY, restricted=True),
-    Rpc("CudaSharedMemoryStatus", restricted=True),
-    Rpc("CudaSharedMemoryRegister", refusal=_SHARED_MEMORY, restricted=True),
-    Rpc("CudaSharedMemoryUnregister", refusal=_SHARED_MEMORY, restricted=True),
-    Rpc("TraceSetting", refusal=_ONE_POD, restricted=True),
-    Rpc("LogSettings", refusal=_ONE_POD, restricted=True),
+    Rpc("RepositoryIndex", restricted=True, http_path="/v2/repository/index"),
+    Rpc("RepositoryModelLoad", refusal=_ONE_REPLICA, restricted=True,
+        http_path=f"/v2/repository/models/{_NAME}/load"),
+    Rpc("RepositoryModelUnload", refusal=_ONE_REPLICA, restricted=True,
+        http_path=f"/v2/repository/models/{_NAME}/unload"),
+    Rpc("SystemSharedMemoryStatus", restricted=True,
+        http_path=f"/v2/systemsharedmemory{_REGION}/status"),
+    Rpc("SystemSharedMemoryRegister", refusal=_SHARED_MEMORY, restricted=True,
+        http_path=f"/v2/systemsharedmemory{_REGION}/register"),
+    Rpc("SystemSharedMemoryUnregister", refusal=_SHARED_MEMORY, restricted=True,
+        http_path=f"/v2/systemsharedmemory{_REGION}/unregister"),
+    Rpc("CudaSharedMemoryStatus", restricted=True,
+        http_path=f"/v2/cudasharedmemory{_REGION}/status"),
+    Rpc("CudaSharedMemoryRegister", refusal=_SHARED_MEMORY, restricted=True,
+        http_path=f"/v2/cudasharedmemory{_REGION}/register"),
+    Rpc("CudaSharedMemoryUnregister", refusal=_SHARED_MEMORY, restricted=True,
+        http_path=f"/v2/cudasharedmemory{_REGION}/unregister"),
+    Rpc("TraceSetting", refusal=_ONE_POD, restricted=True,
+        http_path=f"/v2(/models/{_NAME}(/versions/{_NAME})?)?/trace/setting"),
+    Rpc("LogSettings", refusal=_ONE_POD, restricted=True, http_path="/v2/logging"),
 )
 
 BY_NAME: dict[str, Rpc] = {rpc.name: rpc for rpc in RPCS}
+HTTP_RESTRICTED: tuple[Rpc, ...] = tuple(rpc for rpc in RPCS if rpc.http_path)
 REFUSABLE: frozenset[str] = frozenset(rpc.name for rpc in RPCS if rpc.refusal)
 
 

@@ -1,0 +1,125 @@
+"""Triton's HTTP/REST API on the Serve path: Serve's HTTP proxy hands each request to a replica,
+which passes it to the Triton in its own pod as bytes (method, path, query, headers and body),
+and gives the client Triton's status, headers and body back, streamed as they come.
+
+The refusals and token check are the gRPC ones (rpcs.py, access.py) in HTTP's words: 403 and
+401 with a body in Triton's own error shape, {"error": "..."}; a Triton that does not answer
+gives 503, never a hang."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncIterator
+
+import aiohttp
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from .access import ADMIN_HEADER, AUTHORIZATION, HTTP_ADMIN_HEADER, TokenCheck
+from .rpcs import HTTP_RESTRICTED, Rpc, refusal_message
+
+UNAUTHENTICATED = "missing or invalid bearer token (send `authorization: Bearer <token>`)"
+# Headers of one hop (RFC 9110 7.6.1), and those never passed on: the client's credentials
+# and a key only the forwarder may send. Content-Length is set again for the bytes sent.
+_NOT_FORWARDED = frozenset({
+    "connection", "keep-alive", "proxy-connection", "proxy-authenticate",
+    "proxy-authorization", "te", "trailer", "transfer-encoding", "upgrade", "host",
+    "content-length", AUTHORIZATION, HTTP_ADMIN_HEADER, ADMIN_HEADER,
+})
+_NOT_RETURNED = frozenset({
+    "connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding",
+    "upgrade",
+})
+_CHUNK_BYTES = 1 << 20
+
+
+def error(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
+    """An answer in Triton's own error shape, which Triton's HTTP clients parse."""
+    return JSONResponse({"error": message}, status_code=status, headers=headers)
+
+
+def restricted_rpc(path: str) -> Rpc | None:
+    """The refusable or restricted call that an HTTP path names, if any."""
+    for rpc in HTTP_RESTRICTED:
+        if re.fullmatch(rpc.http_path, path):
+            return rpc
+    return None
+
+
+async def _body(request: Request) -> AsyncIterator[bytes]:
+    async for chunk in request.stream():
+        if chunk:
+            yield chunk
+
+
+class HttpForwarder:
+    def __init__(self, address: str, allowed: frozenset[str], tokens: TokenCheck | None,
+                 admin_key: str) -> None:
+        self.address = address
+        self._allowed = allowed
+        self._tokens = tokens
+        self._admin_key = admin_key
+        self._session: aiohttp.ClientSession | None = None
+
+    def _client(self) -> aiohttp.ClientSession:
+        # Made on first use, inside the replica's event loop. No total timeout: an inference
+        # takes as long as it takes, and a client that gives up cancels this call.
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                auto_decompress=False,
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
+                connector=aiohttp.TCPConnector(limit=0),
+            )
+        return self._session
+
+    async def forward(self, request: Request) -> Response:
+        if self._tokens is not None and not self._tokens.allows(
+                [(AUTHORIZATION, request.headers.get(AUTHORIZATION, ""))]):
+            return error(401, UNAUTHENTICATED, {"www-authenticate": "Bearer"})
+        # One spelling of each path: a refused endpoint is not reached through `//`.
+        path = re.sub("/{2,}", "/", request.url.path)
+        headers = [(key, value) for key, value in request.headers.items()
+                   if key.lower() not in _NOT_FORWARDED]
+        rpc = restricted_rpc(path)
+        if rpc is not None:
+            if rpc.refusal and rpc.name not in self._allowed:
+                return error(403, refusal_message(rpc))
+            if self._admin_key:
+                headers.append((HTTP_ADMIN_HEADER, self._admin_key))
+        url = f"http://{self.address}{path}"
+        if request.url.query:
+            url += "?" + request.url.query
+        length = request.headers.get("content-length")
+        data: bytes | AsyncIterator[bytes]
+        if length is not None:
+            # Streamed to Triton as it arrives, with the client's length (no chunking).
+            headers.append(("Content-Length", length))
+            data = _body(request)
+        else:
+            data = await request.body()
+        try:
+            upstream = await self._client().request(
+                request.method, url, headers=headers, data=data,
+                allow_redirects=False, skip_auto_headers=("User-Agent", "Content-Type"),
+            )
+        except (aiohttp.ClientError, OSError) as exc:
+            return error(503, f"Triton at {self.address} did not answer: {exc}")
+        returned = [(key, value) for key, value in upstream.headers.items()
+                    if key.lower() not in _NOT_RETURNED]
+
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in upstream.content.iter_chunked(_CHUNK_BYTES):
+                    yield chunk
+            finally:
+                upstream.release()
+
+        response = StreamingResponse(body(), status_code=upstream.status)
+        # Triton's headers as Triton sent them (StreamingResponse would add its own).
+        response.raw_headers = [(k.lower().encode("latin-1"), v.encode("latin-1"))
+                                for k, v in returned]
+        return response
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
