@@ -5,7 +5,6 @@ gets the same answer, and the endpoint refuses what gRPC refuses, in Triton's er
 from __future__ import annotations
 
 import gzip
-import http.client
 import json
 import subprocess
 import sys
@@ -17,6 +16,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import ADMIN_KEY, Stack
+from tests.raw_http import request
 from triton_forwarder.access import HTTP_ADMIN_HEADER
 from triton_forwarder.rpcs import BY_NAME, refusal_message
 
@@ -35,21 +35,6 @@ REFUSED_REQUESTS = {
     "TraceSetting": ("GET", "/v2/models/simple/trace/setting"),
     "LogSettings": ("POST", "/v2/logging"),
 }
-
-Answer = tuple[int, dict[str, str], bytes]
-
-
-def request(address: str, method: str, path: str, body: bytes = b"",
-            headers: dict[str, str] | None = None, timeout: float = 120) -> Answer:
-    host, port = address.rsplit(":", 1)
-    connection = http.client.HTTPConnection(host, int(port), timeout=timeout)
-    try:
-        connection.request(method, path, body=body or None, headers=headers or {})
-        response = connection.getresponse()
-        return response.status, {k.lower(): v for k, v in response.getheaders()}, response.read()
-    finally:
-        connection.close()
-
 
 def _binary_infer(values: np.ndarray[Any, Any]) -> tuple[bytes, dict[str, str]]:
     """identity_fp32 with binary input and output: a JSON header, then the raw tensor."""

@@ -6,6 +6,7 @@ echo_headers model shows what reached Triton."""
 from __future__ import annotations
 
 import contextlib
+import json
 import queue
 import time
 from collections.abc import Callable, Iterator
@@ -15,11 +16,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tritonclient.grpc as tc
+import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from local_stack.harness import processes_left_behind, running_stack
 from local_stack.triton_inputs import tensor
 from tests.conftest import DATA_PATHS
+from tests.raw_http import request
 
 # A stack of its own (or the session's): `make unit` leaves these out.
 pytestmark = pytest.mark.stack
@@ -32,6 +35,7 @@ ROTATED = "tok-rotated-c83d61"
 @dataclass
 class AuthStack:
     url: str
+    http_url: str
     tokens_file: Path
     workdir: Path
 
@@ -44,9 +48,10 @@ def auth_stack(request: pytest.FixtureRequest,
     with running_stack({
         "DATA_PATH": request.param,
         "SONIC_RAY_AUTH_TOKENS_FILE": str(tokens_file),
-        "TRITON_ARGS": "--grpc-header-forward-pattern=.*",
+        "TRITON_ARGS": "--grpc-header-forward-pattern=.* --http-header-forward-pattern=.*",
     }) as running:
-        yield AuthStack(running.url("GRPC_PORT"), tokens_file, running.process.workdir())
+        yield AuthStack(running.url("GRPC_PORT"), running.url("HTTP_PORT"), tokens_file,
+                        running.process.workdir())
     assert not processes_left_behind(running.process)
 
 
@@ -87,6 +92,30 @@ def test_known_tokens_pass_and_are_not_passed_on_to_triton(auth_stack: AuthStack
                               client_timeout=30)
         seen_by_triton = result.as_numpy("PARAMETERS")[0].decode()
         assert '"x-sonic-job":"auth"' in seen_by_triton  # headers do reach Triton here...
+        assert token not in seen_by_triton and "authorization" not in seen_by_triton  # ...not this
+
+
+def test_http_requests_without_a_known_token_get_401(auth_stack: AuthStack) -> None:
+    for token in (None, "not-a-token", FIRST + "x"):
+        headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
+        for method, path in (("GET", "/v2/health/ready"), ("GET", "/v2/models/echo_headers"),
+                             ("POST", "/v2/repository/index")):
+            status, answer_headers, body = request(auth_stack.http_url, method, path,
+                                                   headers=headers)
+            assert status == 401, (token, path, status, body)
+            assert "Bearer" in json.loads(body)["error"]  # Triton's error shape, says what to send
+            assert answer_headers.get("www-authenticate") == "Bearer"
+
+
+def test_http_known_tokens_pass_and_are_not_passed_on_to_triton(auth_stack: AuthStack) -> None:
+    client = httpclient.InferenceServerClient(auth_stack.http_url)
+    inputs = [httpclient.InferInput("INPUT", [1], "INT32")]
+    inputs[0].set_data_from_numpy(np.array([1], np.int32))
+    for token in (FIRST, SECOND):
+        result = client.infer("echo_headers", inputs,
+                              headers={"Authorization": f"Bearer {token}", "X-Sonic-Job": "http"})
+        seen_by_triton = result.as_numpy("PARAMETERS")[0].decode().lower()
+        assert '"x-sonic-job":"http"' in seen_by_triton  # headers do reach Triton here...
         assert token not in seen_by_triton and "authorization" not in seen_by_triton  # ...not this
 
 
