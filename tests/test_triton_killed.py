@@ -4,10 +4,12 @@ the stack restarts Triton as the kubelet would, and calls succeed again once it 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
 
+import aiohttp
 import numpy as np
 import pytest
 import tritonclient.grpc as tc
@@ -60,9 +62,35 @@ def test_triton_killed_under_load_calls_end_with_a_status_then_recover(stack: St
         finally:
             await client.close()
 
+    http_outcomes: list[tuple[float, str, float]] = []
+
+    async def http_load(seconds: float) -> None:
+        """Triton's HTTP API at the same time: every request must end with a status."""
+        end = time.monotonic() + seconds
+        body = {"inputs": [{"name": name, "datatype": "INT32", "shape": [1, 16], "data": [1] * 16}
+                           for name in ("INPUT0", "INPUT1")]}
+        timeout = aiohttp.ClientTimeout(total=DEADLINE_S)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            async def worker() -> None:
+                while time.monotonic() < end:
+                    started = time.monotonic()
+                    try:
+                        async with session.post(f"http://{stack.http_url}/v2/models/simple/infer",
+                                                json=body) as response:
+                            answer = await response.read()
+                            status = str(response.status)
+                            if response.status != 200:
+                                status += f" {json.loads(answer).get('error', '')[:60]!r}"
+                                await asyncio.sleep(0.2)
+                    except (aiohttp.ClientError, TimeoutError, ValueError) as error:
+                        status = f"no status: {type(error).__name__}"
+                    http_outcomes.append((started - killed_at, status, time.monotonic() - started))
+
+            await asyncio.gather(*(worker() for _ in range(4)))
+
     async def kill_under_load() -> None:
         nonlocal killed_at
-        task = asyncio.ensure_future(load(60))
+        task = asyncio.gather(load(60), http_load(60))
         await asyncio.sleep(3)
         killed_at = time.monotonic()
         os.kill(stack.process.triton_pid(), signal.SIGKILL)
@@ -86,6 +114,16 @@ def test_triton_killed_under_load_calls_end_with_a_status_then_recover(stack: St
         "StatusCode.UNAVAILABLE", "StatusCode.INTERNAL", "StatusCode.CANCELLED",
         "StatusCode.DEADLINE_EXCEEDED"}
     assert recovered, "no call succeeded after Triton came back"
+
+    http_failed = sorted({s for _, s, _ in http_outcomes if s != "200"})
+    http_last_failure = max((t for t, s, _ in http_outcomes if s != "200"), default=0.0)
+    print(f"over HTTP: {len(http_outcomes)} requests, answers other than 200: {http_failed}, "
+          f"longest {max(s for _, _, s in http_outcomes):.1f}s")
+    assert http_failed, "the kill went unnoticed over HTTP"
+    # Each one a status from the endpoint, with Triton's error shape: none hung or was cut off.
+    assert all(s.split()[0] in {"502", "503", "504"} for s in http_failed), http_failed
+    assert any(t > http_last_failure and s == "200" for t, s, _ in http_outcomes), (
+        "no HTTP request succeeded after Triton came back")
     for _ in range(20):
         result = tc.InferenceServerClient(stack.url).infer("simple", _inputs(),
                                                                   client_timeout=30)
