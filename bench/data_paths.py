@@ -1,13 +1,15 @@
 """`make bench`: what each data path costs against Triton directly, in one run.
 
 For each mode asked for (the gateway, the Serve path, or one of the Serve path's ingress
-variants), starts the local stack (real Triton, real Serve, real Envoy), then for every request
-size and concurrency alternates direct-Triton and through-the-path measurements with the same
-client (tritonclient.grpc.aio), repeated so that machine noise cancels. Prints a table (req/s,
+variants), starts the local stack (real Triton, real Serve, real Envoy), then for every protocol,
+request size and concurrency alternates direct-Triton and through-the-path measurements with the
+same client (tritonclient.grpc.aio; tritonclient.http.aio for Triton's HTTP API: small JSON and
+1 MiB binary tensors), repeated so that machine noise cancels. Prints a table (req/s,
 p50, p99, ratio to direct), the CPU seconds per 1000 requests spent by Envoy, by Ray's processes
 and by Triton, writes the figures as JSON and a PNG plot, and stops everything it started.
 
-    python -m bench.data_paths [--modes gateway serve classic ...] [--seconds 3] [--repeats 3]
+    python -m bench.data_paths [--modes gateway serve classic ...] [--protocols grpc http]
+                               [--seconds 3] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from pathlib import Path
 import numpy as np
 import tritonclient.grpc as tc
 import tritonclient.grpc.aio as tc_aio
+import tritonclient.http as httpclient
+import tritonclient.http.aio as http_aio
 
 from local_stack.harness import RunningStack, running_stack
 from local_stack.processes import session_members
@@ -70,11 +74,16 @@ MODES: dict[str, dict[str, str]] = {
     **{name: {"DATA_PATH": "serve", **env} for name, env in SERVE_MODES.items()},
 }
 SIZES = {"small": 0, "1MiB": MIB, "16MiB": 16 * MIB}
+# HTTP: a small request as JSON (how curl scripts and probes call), 1 MiB as binary tensors.
+HTTP_SIZES = ("small", "1MiB")
+# Each protocol's client ports: Triton's own, and the clients' endpoint of the data path.
+PORTS = {"grpc": ("TRITON_GRPC_PORT", "GRPC_PORT"), "http": ("TRITON_HTTP_PORT", "HTTP_PORT")}
 
 
 @dataclass
 class Cell:
     mode: str
+    protocol: str
     size: str
     concurrency: int
     path: str  # "direct", "through" (the mode's data path) or "replica" (its own port)
@@ -101,6 +110,19 @@ def _inputs(size: str) -> tuple[str, Callable[[], list[tc.InferInput]]]:
         return [tensor("INPUT", data, "FP32")]
 
     return "identity_fp32", large
+
+
+def _http_inputs(size: str) -> tuple[str, list[httpclient.InferInput]]:
+    if SIZES[size] == 0:
+        data = np.arange(16, dtype=np.int32).reshape(1, 16)
+        inputs = [httpclient.InferInput(name, [1, 16], "INT32") for name in ("INPUT0", "INPUT1")]
+        for each in inputs:
+            each.set_data_from_numpy(data, binary_data=False)
+        return "simple", inputs
+    values = np.ones(SIZES[size] // 4, dtype=np.float32)
+    inputs = [httpclient.InferInput("INPUT", [values.size], "FP32")]
+    inputs[0].set_data_from_numpy(values, binary_data=True)
+    return "identity_fp32", inputs
 
 
 def _cpu_s(sids: list[int]) -> float:
@@ -140,8 +162,41 @@ async def _measure(url: str, size: str, concurrency: int, seconds: float,
     return len(latencies), latencies, errors
 
 
-def run_mode(mode: str, sizes: list[str], concurrencies: list[int], seconds: float,
-             repeats: int) -> list[Cell]:
+async def _measure_http(url: str, size: str, concurrency: int, seconds: float,
+                        ) -> tuple[int, list[float], int]:
+    model, inputs = _http_inputs(size)
+    binary = SIZES[size] > 0
+    outputs = [httpclient.InferRequestedOutput("OUTPUT", binary_data=True)] if binary else None
+    client = http_aio.InferenceServerClient(url, conn_limit=concurrency)
+    latencies: list[float] = []
+    errors = 0
+    deadline = time.monotonic() + seconds
+
+    async def worker() -> None:
+        nonlocal errors
+        while time.monotonic() < deadline:
+            started = time.perf_counter()
+            try:
+                await client.infer(model, inputs, outputs=outputs)
+                latencies.append(time.perf_counter() - started)
+            except Exception:
+                errors += 1
+
+    try:
+        await client.infer(model, inputs, outputs=outputs)  # warm the connection
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    except Exception:
+        errors += 1
+    finally:
+        await client.close()
+    return len(latencies), latencies, errors
+
+
+MEASURE = {"grpc": _measure, "http": _measure_http}
+
+
+def run_mode(mode: str, protocols: list[str], sizes: list[str], concurrencies: list[int],
+             seconds: float, repeats: int) -> list[Cell]:
     cells: list[Cell] = []
     with running_stack(MODES[mode]) as running:
         stack = running.process
@@ -149,42 +204,44 @@ def run_mode(mode: str, sizes: list[str], concurrencies: list[int], seconds: flo
         ray_sids = [stack.ray_pid(), *stack.pids(r"pod \d+: Ray node started \(pid (\d+)\)")]
         envoy_sids = stack.pids(r"Envoy started \(pid (\d+)\)")
         triton_sid = stack.triton_pid()
-        urls = {"direct": running.url("TRITON_GRPC_PORT"), "through": running.url("GRPC_PORT")}
         replica = _replica_grpc_port(running)
-        if replica:
-            urls["replica"] = f"localhost:{replica}"
-        for size in sizes:
-            for concurrency in concurrencies:
-                samples: dict[str, list[tuple[float, list[float], int, float, float, float]]] = {
-                    path: [] for path in urls}
-                for _ in range(repeats):
-                    for path, url in urls.items():
-                        env0, ray0 = _cpu_s(envoy_sids), _cpu_s(ray_sids)
-                        tri0 = _cpu_s([triton_sid])
-                        started = time.monotonic()
-                        count, latencies, errors = asyncio.run(
-                            _measure(url, size, concurrency, seconds))
-                        elapsed = time.monotonic() - started
-                        samples[path].append((count / elapsed, latencies, errors,
-                                              _cpu_s(envoy_sids) - env0, _cpu_s(ray_sids) - ray0,
-                                              _cpu_s([triton_sid]) - tri0))
-                for path, runs in samples.items():
-                    latencies = sorted(x for run in runs for x in run[1]) or [float("nan")]
-                    done = sum(len(run[1]) for run in runs) or 1
-                    cells.append(Cell(
-                        mode=mode, size=size, concurrency=concurrency, path=path,
-                        rps=statistics.median(run[0] for run in runs),
-                        p50_ms=1000 * latencies[len(latencies) // 2],
-                        p99_ms=1000 * latencies[min(len(latencies) - 1, int(len(latencies) * .99))],
-                        errors=sum(run[2] for run in runs),
-                        envoy_cpu_s_per_1k=1000 * sum(run[3] for run in runs) / done,
-                        ray_cpu_s_per_1k=1000 * sum(run[4] for run in runs) / done,
-                        triton_cpu_s_per_1k=1000 * sum(run[5] for run in runs) / done,
-                    ))
-                latest = {c.path: c for c in cells[-len(urls):]}
-                print(f"  {mode:24} {size:6} c={concurrency:<3} " + " ".join(
-                    f"{path} {c.rps:8.1f} req/s ({c.rps / latest['direct'].rps:4.2f})"
-                    for path, c in latest.items()), flush=True)
+        for protocol, size, concurrency in (
+                (p, s, c) for p in protocols for s in sizes for c in concurrencies
+                if p == "grpc" or s in HTTP_SIZES):
+            direct, through = PORTS[protocol]
+            urls = {"direct": running.url(direct), "through": running.url(through)}
+            if replica and protocol == "grpc":
+                urls["replica"] = f"localhost:{replica}"
+            samples: dict[str, list[tuple[float, list[float], int, float, float, float]]] = {
+                path: [] for path in urls}
+            for _ in range(repeats):
+                for path, url in urls.items():
+                    env0, ray0 = _cpu_s(envoy_sids), _cpu_s(ray_sids)
+                    tri0 = _cpu_s([triton_sid])
+                    started = time.monotonic()
+                    count, latencies, errors = asyncio.run(
+                        MEASURE[protocol](url, size, concurrency, seconds))
+                    elapsed = time.monotonic() - started
+                    samples[path].append((count / elapsed, latencies, errors,
+                                          _cpu_s(envoy_sids) - env0, _cpu_s(ray_sids) - ray0,
+                                          _cpu_s([triton_sid]) - tri0))
+            for path, runs in samples.items():
+                latencies = sorted(x for run in runs for x in run[1]) or [float("nan")]
+                done = sum(len(run[1]) for run in runs) or 1
+                cells.append(Cell(
+                    mode=mode, protocol=protocol, size=size, concurrency=concurrency, path=path,
+                    rps=statistics.median(run[0] for run in runs),
+                    p50_ms=1000 * latencies[len(latencies) // 2],
+                    p99_ms=1000 * latencies[min(len(latencies) - 1, int(len(latencies) * .99))],
+                    errors=sum(run[2] for run in runs),
+                    envoy_cpu_s_per_1k=1000 * sum(run[3] for run in runs) / done,
+                    ray_cpu_s_per_1k=1000 * sum(run[4] for run in runs) / done,
+                    triton_cpu_s_per_1k=1000 * sum(run[5] for run in runs) / done,
+                ))
+            latest = {c.path: c for c in cells[-len(urls):]}
+            print(f"  {mode:24} {protocol:4} {size:6} c={concurrency:<3} " + " ".join(
+                f"{path} {c.rps:8.1f} req/s ({c.rps / latest['direct'].rps:4.2f})"
+                for path, c in latest.items()), flush=True)
     return cells
 
 
@@ -226,17 +283,19 @@ def _listening_ports(pid: int) -> set[int]:
 
 
 def table(cells: list[Cell]) -> str:
-    direct = {(c.mode, c.size, c.concurrency): c for c in cells if c.path == "direct"}
-    lines = ["| mode | size | conc | direct req/s | path req/s | ratio | direct p50/p99 ms | "
+    direct = {(c.mode, c.protocol, c.size, c.concurrency): c for c in cells
+              if c.path == "direct"}
+    lines = ["| mode | protocol | size | conc | direct req/s | path req/s | ratio | direct p50/p99 ms | "
              "path p50/p99 ms | added p50 ms | Envoy CPU s/1k | Ray CPU s/1k | "
              "Triton CPU s/1k | errors |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in cells:
         if c.path == "direct":
             continue
-        d = direct[(c.mode, c.size, c.concurrency)]
+        d = direct[(c.mode, c.protocol, c.size, c.concurrency)]
         lines.append(
-            f"| {c.mode}{'' if c.path == 'through' else ' (' + c.path + ' port)'} | {c.size} | "
+            f"| {c.mode}{'' if c.path == 'through' else ' (' + c.path + ' port)'} | "
+            f"{c.protocol} | {c.size} | "
             f"{c.concurrency} | {d.rps:.0f} | {c.rps:.0f} | "
             f"{c.rps / d.rps:.2f} | {d.p50_ms:.2f}/{d.p99_ms:.1f} | {c.p50_ms:.2f}/{c.p99_ms:.1f} | "
             f"{c.p50_ms - d.p50_ms:.2f} | {c.envoy_cpu_s_per_1k:.2f} | "
@@ -251,20 +310,22 @@ def plot(cells: list[Cell], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    direct = {(c.mode, c.size, c.concurrency): c.rps for c in cells if c.path == "direct"}
+    direct = {(c.mode, c.protocol, c.size, c.concurrency): c.rps for c in cells
+              if c.path == "direct"}
     serve = [c for c in cells if c.path == "through"]
     modes = sorted({c.mode for c in serve})
-    labels = sorted({(c.size, c.concurrency) for c in serve},
-                    key=lambda k: (SIZES[k[0]], k[1]))
+    labels = sorted({(c.protocol, c.size, c.concurrency) for c in serve},
+                    key=lambda k: (k[0], SIZES[k[1]], k[2]))
     fig, ax = plt.subplots(figsize=(max(6, len(labels) * 1.1), 4))
     width = 0.8 / max(1, len(modes))
     for i, mode in enumerate(modes):
-        ratios = [next((c.rps / direct[(mode, s, k)] for c in serve
-                        if (c.mode, c.size, c.concurrency) == (mode, s, k)), 0) for s, k in labels]
+        ratios = [next((c.rps / direct[(mode, p, s, k)] for c in serve
+                        if (c.mode, c.protocol, c.size, c.concurrency) == (mode, p, s, k)), 0)
+                  for p, s, k in labels]
         ax.bar([x + i * width for x in range(len(labels))], ratios, width, label=mode)
     ax.axhline(0.75, color="black", linestyle="--", label="gateway target at c8 (0.75x)")
     ax.set_xticks([x + 0.4 - width / 2 for x in range(len(labels))])
-    ax.set_xticklabels([f"{s}\nc={k}" for s, k in labels])
+    ax.set_xticklabels([f"{p} {s}\nc={k}" for p, s, k in labels])
     ax.set_ylabel("through the data path / direct Triton (req/s)")
     ax.set_title("Cost of each data path (same run, same client)")
     ax.legend(fontsize="small")
@@ -275,6 +336,7 @@ def plot(cells: list[Cell], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--modes", nargs="+", default=["gateway", "serve"], choices=sorted(MODES))
+    parser.add_argument("--protocols", nargs="+", default=list(PORTS), choices=list(PORTS))
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 8, 32])
     parser.add_argument("--seconds", type=float, default=3.0)
@@ -285,7 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     for mode in args.modes:
         print(f"mode {mode}: starting the stack", flush=True)
-        cells += run_mode(mode, args.sizes, args.concurrency, args.seconds, args.repeats)
+        cells += run_mode(mode, args.protocols, args.sizes, args.concurrency, args.seconds,
+                          args.repeats)
         # Written after every mode, so that an interrupted run keeps what it measured.
         (RESULTS / f"bench-{stamp}.json").write_text(json.dumps(
             {"argv": vars(args), "cells": [asdict(c) for c in cells]}, indent=1))
