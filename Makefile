@@ -11,7 +11,7 @@ KUBECTLS := $(VENV)/bin/kubectl $(wildcard /usr/bin/kubectl)
 # schema/check.py (DEFAULT_KUBERNETES_VERSION).
 CHECK := env PYTHONPATH=serve:. $(PY) -m schema.check
 
-.PHONY: venv test unit lint local bench validate check check-cluster-crd schemas gateway-config lock clean
+.PHONY: venv test unit lint local observe bench validate check check-cluster-crd schemas gateway-config observability prometheus lock clean
 
 venv: $(VENV)/.installed
 
@@ -20,7 +20,7 @@ $(VENV)/.installed: requirements.txt
 	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt
 	touch $@
 
-test: venv lint
+test: venv prometheus lint
 	$(PY) -m pytest
 
 # Every test that needs no running stack: seconds, while editing.
@@ -28,15 +28,18 @@ unit: venv
 	$(PY) -m pytest -m "not stack" -q
 
 lint: venv
-	$(PY) -m ruff check serve tests schema bench local_stack
+	$(PY) -m ruff check serve tests schema bench local_stack observability
 	$(PY) -m mypy
 	$(PY) -m yamllint -s .
 
 # Builds every overlay with the pinned kubectl and the machine's (when there is one) and
 # checks each build: invariants, KubeRay's schema, Kubernetes' schemas, the Serve config.
-validate: venv
+validate: venv prometheus
 	$(PY) -m yamllint -s .
 	env PYTHONPATH=serve:. $(PY) -m schema.gateway_config --check
+	env PYTHONPATH=serve:. $(PY) -m observability.dashboard --check
+	promtool check rules observability/alerts.yaml
+	promtool test rules observability/alerts_test.yaml
 	$(VENV)/bin/envoy --mode validate -c gateway/envoy.yaml --log-level warning
 	@mkdir -p build
 	@set -e; for overlay in $(OVERLAYS); do for kubectl in $(KUBECTLS); do \
@@ -74,10 +77,26 @@ schemas: venv
 gateway-config: venv
 	env PYTHONPATH=serve:. $(PY) -m schema.gateway_config
 
+# Writes the Grafana dashboard (observability/dashboard.json) and the PrometheusRule of
+# components/prometheus-monitors from their sources in observability/.
+observability: venv
+	env PYTHONPATH=serve:. $(PY) -m observability.dashboard
+
+# Prometheus and promtool, Debian's package (the tests scrape the local stack with it).
+PROMETHEUS_DEB := prometheus=2.42.0+ds-5+deb12u1
+prometheus:
+	@command -v promtool >/dev/null || { apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(PROMETHEUS_DEB); }
+
 # The whole stack on this machine: Tritons, Ray Serve and (DATA_PATH=gateway, the default)
 # Envoy, until Ctrl-C. TRITONS=N simulated pods.
 local: venv
 	env PYTHONPATH=serve:. $(PY) -m local_stack
+
+# make local with a real Prometheus scraping it (PROMETHEUS_PORT, 9090) and loading the alerts:
+# the dashboard's queries at http://localhost:9090/graph.
+observe: venv prometheus
+	env PYTHONPATH=serve:. OBSERVE=1 $(PY) -m local_stack
 
 lock:
 	rm -rf $(VENV).lock && $(PYTHON) -m venv $(VENV).lock

@@ -33,6 +33,9 @@ TRITON_RESOURCE = "triton"
 GPU_RESOURCE = re.compile(r"^nvidia\.com/(gpu|mig-.+)$")
 REMOTE_REPOSITORY = re.compile(r"^([a-z0-9]+://|\$\()")
 ACCELERATOR_ANNOTATION = "sonic-ray.io/accelerator"
+# What scrapes the site: "operator" (the Prometheus operator's CRDs exist) or "plain" (default).
+PROMETHEUS_ANNOTATION = "sonic-ray.io/prometheus"
+PROMETHEUS_OPERATOR_GROUP = "monitoring.coreos.com"
 # The clients' Triton HTTP port on the clients' Service (Triton's default), beside gRPC's 8001.
 CLIENT_HTTP_PORT = 8000
 # Triton's defaults when a flag is absent.
@@ -246,6 +249,14 @@ def extract(rayservice: dict[str, Any], stream: list[dict[str, Any]] | None = No
     annotations = (rayservice.get("metadata") or {}).get("annotations") or {}
     facts.put("accelerator", annotations.get(ACCELERATOR_ANNOTATION, "gpu"),
               f"metadata.annotations[{ACCELERATOR_ANNOTATION}]")
+    operator_objects = [f"{o.get('kind')} {(o.get('metadata') or {}).get('name')}"
+                        for o in stream or []
+                        if str(o.get("apiVersion", "")).startswith(PROMETHEUS_OPERATOR_GROUP + "/")]
+    declared = annotations.get(PROMETHEUS_ANNOTATION, "plain")
+    facts.put("prometheusOperatorObjectsUndeclared",
+              operator_objects if declared != "operator" else [],
+              f"metadata.annotations[{PROMETHEUS_ANNOTATION}] is {declared!r} but the build has "
+              f"{', '.join(operator_objects) or 'none'} ({PROMETHEUS_OPERATOR_GROUP})")
     facts.put("rayAuthMode", (cluster.get("authOptions") or {}).get("mode", "disabled"),
               "spec.rayClusterConfig.authOptions.mode")
     facts.put("headNumCpus", (head.get("rayStartParams") or {}).get("num-cpus"),

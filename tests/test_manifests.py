@@ -118,6 +118,15 @@ def test_purdue_overlay_is_the_site() -> None:
         "geddes-registry.rcac.purdue.edu/docker-hub-cache/rayproject/ray:2.60.0")
     metrics = [o for o in built if o["kind"] == "Service" and "metrics" in o["metadata"]["name"]]
     assert len(metrics) == 3 and all(o["metadata"]["labels"]["scrape_metrics"] == "true" for o in metrics)
+    # Only the metrics Services: a scrape of the clients' ports would fail every interval.
+    assert [o["metadata"]["name"] for o in built
+            if (o["metadata"].get("labels") or {}).get("scrape_metrics")] == [
+        o["metadata"]["name"] for o in metrics]
+    # No operator there: the dashboard and the rule file as ConfigMaps, no operator objects.
+    assert not [o for o in built if o["apiVersion"].startswith("monitoring.coreos.com/")]
+    config_maps = {o["metadata"]["name"]: o for o in built if o["kind"] == "ConfigMap"}
+    assert config_maps["sonic-ray-dashboard"]["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert "sonic-ray.rules.yaml" in config_maps["sonic-ray-alert-rules"]["data"]
     models = next(v for v in pod["volumes"] if v["name"] == "models")
     assert models["persistentVolumeClaim"]["claimName"] == "cvmfs"
     mount = next(m for m in triton["volumeMounts"] if m["name"] == "models")
@@ -159,8 +168,12 @@ def test_optional_components_build_together() -> None:
     assert triton["resources"]["requests"]["nvidia.com/mig-1g.10gb"] == 1
     assert triton["envFrom"] == [{"secretRef": {"name": "triton-s3-models"}}]
     assert triton["args"] == ["--model-repository=$(MODEL_REPOSITORY_URL)"]
-    assert sorted(o["metadata"]["name"] for o in objects(built)
-                  if o["kind"] == "ServiceMonitor") == ["ray-metrics", "triton-metrics"]
+    monitors = {o["metadata"]["name"]: o for o in objects(built) if o["kind"] == "ServiceMonitor"}
+    assert sorted(monitors) == ["gateway-metrics", "ray-metrics", "triton-metrics"]
+    assert monitors["gateway-metrics"]["spec"]["endpoints"][0]["path"] == "/stats/prometheus"
+    (rule,) = [o for o in objects(built) if o["kind"] == "PrometheusRule"]
+    assert rule["spec"]["groups"] == yaml.safe_load(
+        (ROOT / "observability" / "alerts.yaml").read_text())["groups"]
 
 
 def test_mig_on_a_site_overlay_claims_one_slice_in_requests_and_limits() -> None:
