@@ -68,6 +68,15 @@ def _node_ports() -> list[str]:
     return [f"--{name}={port}" for name, port in zip(names, free_ports(len(names)), strict=True)]
 
 
+def metrics_export_port(node: subprocess.Popen[bytes]) -> int:
+    """The port on which a Ray node started here serves its metrics (Ray's and Serve's)."""
+    args = node.args if isinstance(node.args, list) else []
+    for arg in args:
+        if str(arg).startswith("--metrics-export-port="):
+            return int(str(arg).partition("=")[2])
+    raise ValueError("the node was started without --metrics-export-port")
+
+
 def start_head(settings: Settings, workdir: Path, admin_key: str) -> subprocess.Popen[bytes]:
     ray = Path(sys.executable).with_name("ray")
     (client_port,) = free_ports(1)

@@ -46,6 +46,9 @@ class Settings:
     serve_http_port: int
     gateway_metrics_port: int
     gateway_admin_port: int
+    # OBSERVE=1 (make observe): a Prometheus scraping the stack on prometheus_port.
+    observe: bool
+    prometheus_port: int
     triton_base: TritonPorts
     gcs_port: int
     dashboard_port: int
@@ -95,6 +98,8 @@ class Settings:
             serve_http_port=_int_env(env, "SERVE_HTTP_PORT", 9080),
             gateway_metrics_port=_int_env(env, "GATEWAY_METRICS_PORT", 9902),
             gateway_admin_port=_int_env(env, "GATEWAY_ADMIN_PORT", 9901),
+            observe=env.get("OBSERVE", "") not in ("", "0"),
+            prometheus_port=_int_env(env, "PROMETHEUS_PORT", 9090),
             triton_base=TritonPorts(
                 http=_int_env(env, "TRITON_HTTP_PORT", 8100),
                 grpc=_int_env(env, "TRITON_GRPC_PORT", 8101),
@@ -121,6 +126,8 @@ class Settings:
                       "SERVE_HTTP_PORT": self.serve_http_port,
                       "GATEWAY_METRICS_PORT": self.gateway_metrics_port,
                       "GATEWAY_ADMIN_PORT": self.gateway_admin_port}
+        if self.observe:
+            ports["PROMETHEUS_PORT"] = self.prometheus_port
         for index in range(self.tritons):
             triton = self.triton(index)
             ports |= {f"TRITON_HTTP_PORT (pod {index})": triton.http,

@@ -5,7 +5,8 @@ Environment: DATA_PATH (gateway | serve), TRITONS (simulated pods, 1), MODEL_REP
 GRPC_PORT / HTTP_PORT (8001 / 8000, the clients' endpoints), TRITON_HTTP_PORT / TRITON_GRPC_PORT /
 TRITON_METRICS_PORT (8100 / 8101 / 8102, plus 10 per further pod), SERVE_GRPC_PORT (9000,
 gateway path), SERVE_HTTP_PORT (9080, gateway path), GATEWAY_METRICS_PORT (9902), GATEWAY_ADMIN_PORT
-(9901, loopback), RAY_GCS_PORT (6379), RAY_DASHBOARD_PORT (8265), SERVE_CONFIG, TRITON_ARGS,
+(9901, loopback), OBSERVE (1: a Prometheus scraping the stack, make observe) and
+PROMETHEUS_PORT (9090), RAY_GCS_PORT (6379), RAY_DASHBOARD_PORT (8265), SERVE_CONFIG, TRITON_ARGS,
 SONIC_RAY_ADMIN_KEY (random when unset), SONIC_RAY_AUTH_TOKENS_FILE, RAY_AUTH_TOKEN (Ray runs
 with token authentication as in the cluster; random when unset).
 
@@ -38,7 +39,7 @@ from typing import Any
 import grpc
 import yaml
 
-from local_stack import gateway, ray_cluster, triton
+from local_stack import gateway, prometheus, ray_cluster, triton
 from local_stack.processes import set_parent_death_signal, spawn, terminate
 from local_stack.settings import Settings
 from schema.gateway_config import HTTP_CLUSTER
@@ -183,10 +184,12 @@ class LocalStack:
         self.ray: subprocess.Popen[bytes] | None = None
         self.pod_nodes: list[subprocess.Popen[bytes]] = []
         self.envoy: subprocess.Popen[bytes] | None = None
+        self.prometheus: subprocess.Popen[bytes] | None = None
         self.discovery: Discovery | None = None
 
     def alive(self) -> None:
         for name, process in [("Ray", self.ray), ("Envoy", self.envoy),
+                              ("Prometheus", self.prometheus),
                               *((f"pod {i}'s Ray node", p) for i, p in enumerate(self.pod_nodes))]:
             if process is not None and process.poll() is not None:
                 raise SystemExit(f"{name} exited with status {process.returncode}; "
@@ -208,6 +211,8 @@ class LocalStack:
               or "not every Triton is ready", READY_TIMEOUT_S, self.alive)
         say(f"Triton has loaded its models; waiting for {s.client_port_owner} to answer")
         self._wait_for_clients_endpoint()
+        if s.observe:
+            self._start_prometheus()
         self._print_endpoints()
         say(f"ready: Triton answers ServerReady through {s.client_port_owner} "
             f"at localhost:{s.grpc_port}, and HTTP at localhost:{s.http_port}")
@@ -258,6 +263,23 @@ class LocalStack:
         say(f"gateway: Envoy started (pid {self.envoy.pid}) on {s.grpc_port} and {s.http_port}, "
             f"log: {self.workdir / 'envoy.log'}")
         self.discovery.start()
+
+    def metrics_targets(self) -> dict[str, list[int]]:
+        """Every exporter's port, by the name of the cluster's metrics Service."""
+        s = self.settings
+        nodes = [n for n in [self.ray, *self.pod_nodes] if n is not None]
+        return {
+            "triton-metrics": [s.triton(i).metrics for i in range(s.tritons)],
+            "gateway-metrics": [s.gateway_metrics_port] if s.data_path == "gateway" else [],
+            "ray-metrics": [ray_cluster.metrics_export_port(node) for node in nodes],
+        }
+
+    def _start_prometheus(self) -> None:
+        s = self.settings
+        self.prometheus = prometheus.start(self.metrics_targets(), s.prometheus_port,
+                                           self.workdir)
+        say(f"prometheus: started (pid {self.prometheus.pid}) on {s.prometheus_port}, "
+            f"log: {self.workdir / 'prometheus.log'}")
 
     def _deploy_serve(self) -> None:
         say("Ray is up; deploying the Serve config")
@@ -312,6 +334,13 @@ class LocalStack:
                          f"http://127.0.0.1:{s.gateway_admin_port}")
         if s.data_path == "gateway":
             lines.append(f"  Serve's HTTP proxy (no client calls): localhost:{s.serve_http_port}")
+        targets = self.metrics_targets()
+        lines.append("  metrics for Prometheus: " + "; ".join(
+            f"{job} " + ", ".join(f"localhost:{p}" for p in ports)
+            for job, ports in targets.items() if ports))
+        if s.observe:
+            lines.append(f"  Prometheus (scraping those, with the alerts loaded): "
+                         f"http://localhost:{s.prometheus_port}")
         lines.append(f"  Ray dashboard: http://127.0.0.1:{s.dashboard_port}")
         print("endpoints:\n" + "\n".join(lines), flush=True)
 
@@ -343,6 +372,8 @@ class LocalStack:
 
     def stop(self) -> None:
         say("stopping")
+        if self.prometheus is not None and self.prometheus.poll() is None:
+            terminate(self.prometheus, grace_s=10)
         if self.discovery is not None:
             self.discovery.stop()
         if self.envoy is not None and self.envoy.poll() is None:

@@ -56,6 +56,8 @@ def stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
         "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(MESSAGE_LIMIT),
         # Known to the tests, to call Triton's restricted RPCs directly for comparison.
         "SONIC_RAY_ADMIN_KEY": ADMIN_KEY,
+        # A real Prometheus scraping the stack (tests/test_observability.py).
+        "OBSERVE": "1",
     }) as running:
         yield Stack(data_path, running.process, running, running.url("GRPC_PORT"),
                     running.url("TRITON_GRPC_PORT"), running.model_repository,
