@@ -136,6 +136,8 @@ def test_purdue_overlay_is_the_site() -> None:
 
 def test_nautilus_overlay_is_the_site() -> None:
     built = objects(build(ROOT / "overlays" / "nautilus"))
+    assert any(o["kind"] == "ConfigMap" and o["metadata"]["name"] == "sonic-ray-dashboard"
+               and o["metadata"]["labels"].get("grafana_dashboard") == "1" for o in built)
     (ingress,) = [o for o in built if o["kind"] == "Ingress"]
     assert ingress["spec"]["ingressClassName"] == "haproxy"
     assert ingress["metadata"]["annotations"]["haproxy-ingress.github.io/backend-protocol"] == "h2"
