@@ -20,7 +20,7 @@ import json
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -131,65 +131,57 @@ def _cpu_s(sids: list[int]) -> float:
     return sum(int(fields[11]) + int(fields[12]) for fields in members) / CLK_TCK
 
 
-async def _measure(url: str, size: str, concurrency: int, seconds: float,
-                   ) -> tuple[int, list[float], int]:
+Measured = tuple[int, list[float], int]  # calls done, their latencies, errors
+
+
+async def _timed(call: Callable[[], Awaitable[object]], concurrency: int,
+                 seconds: float) -> Measured:
+    """`concurrency` callers in a loop for `seconds`, after one warming call."""
+    latencies: list[float] = []
+    errors = 0
+    deadline = time.monotonic() + seconds
+
+    async def worker() -> None:
+        nonlocal errors
+        while time.monotonic() < deadline:
+            started = time.perf_counter()
+            try:
+                await call()
+                latencies.append(time.perf_counter() - started)
+            except Exception:
+                errors += 1
+
+    try:
+        await call()  # warm the channel or connections
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    except Exception:
+        errors += 1
+    return len(latencies), latencies, errors
+
+
+async def _measure(url: str, size: str, concurrency: int, seconds: float) -> Measured:
     model, make_inputs = _inputs(size)
     options = [("grpc.max_send_message_length", 1 << 30),
                ("grpc.max_receive_message_length", 1 << 30)]
     client = tc_aio.InferenceServerClient(url, channel_args=options)
-    latencies: list[float] = []
-    errors = 0
     inputs = make_inputs()
-    deadline = time.monotonic() + seconds
-
-    async def worker() -> None:
-        nonlocal errors
-        while time.monotonic() < deadline:
-            started = time.perf_counter()
-            try:
-                await client.infer(model, inputs, client_timeout=30)
-                latencies.append(time.perf_counter() - started)
-            except Exception:
-                errors += 1
-
     try:
-        await client.infer(model, inputs, client_timeout=60)  # warm the channel
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-    except Exception:
-        errors += 1
+        return await _timed(lambda: client.infer(model, inputs, client_timeout=30),
+                            concurrency, seconds)
     finally:
         await client.close()
-    return len(latencies), latencies, errors
 
 
-async def _measure_http(url: str, size: str, concurrency: int, seconds: float,
-                        ) -> tuple[int, list[float], int]:
+async def _measure_http(url: str, size: str, concurrency: int, seconds: float) -> Measured:
     model, inputs = _http_inputs(size)
     binary = SIZES[size] > 0
     outputs = [httpclient.InferRequestedOutput("OUTPUT", binary_data=True)] if binary else None
     client = http_aio.InferenceServerClient(url, conn_limit=concurrency)
-    latencies: list[float] = []
-    errors = 0
-    deadline = time.monotonic() + seconds
-
-    async def worker() -> None:
-        nonlocal errors
-        while time.monotonic() < deadline:
-            started = time.perf_counter()
-            try:
-                await client.infer(model, inputs, outputs=outputs)
-                latencies.append(time.perf_counter() - started)
-            except Exception:
-                errors += 1
-
     try:
-        await client.infer(model, inputs, outputs=outputs)  # warm the connection
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-    except Exception:
-        errors += 1
+        return await _timed(lambda: client.infer(model, inputs, outputs=outputs),
+                            concurrency, seconds)
     finally:
         await client.close()
-    return len(latencies), latencies, errors
 
 
 MEASURE = {"grpc": _measure, "http": _measure_http}
