@@ -69,6 +69,10 @@ class Settings:
         return "Envoy (the gateway)" if self.data_path == "gateway" else "Serve's gRPC proxy"
 
     @property
+    def http_port_owner(self) -> str:
+        return "Envoy (the gateway)" if self.data_path == "gateway" else "Serve's HTTP proxy"
+
+    @property
     def serve_http_proxy_port(self) -> int:
         """Serve's HTTP proxy is the clients' HTTP endpoint on the Serve path; on the gateway
         path Envoy holds HTTP_PORT and Serve's proxy (which serves no client) moves aside."""

@@ -321,9 +321,8 @@ class LocalStack:
 
     def _print_endpoints(self) -> None:
         s = self.settings
-        http_owner = "Envoy (the gateway)" if s.data_path == "gateway" else "Serve's HTTP proxy"
         lines = [f"  Triton protocol, the clients' endpoints: gRPC localhost:{s.grpc_port} "
-                 f"({s.client_port_owner}), HTTP localhost:{s.http_port} ({http_owner})"]
+                 f"({s.client_port_owner}), HTTP localhost:{s.http_port} ({s.http_port_owner})"]
         for i in range(s.tritons):
             t = s.triton(i)
             lines.append(f"  pod {i} Triton: gRPC localhost:{t.grpc}, HTTP localhost:{t.http}, "

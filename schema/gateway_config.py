@@ -42,42 +42,37 @@ def allowed_admin_rpcs(serve_config: dict[str, Any]) -> list[str]:
     return []
 
 
+def _refused(match: dict[str, Any], message: str) -> dict[str, Any]:
+    return {"match": match, "direct_response": {"status": REFUSAL_STATUS,
+                                                "body": {"inline_string": message}}}
+
+
+def _with_admin_key(match: dict[str, Any], route: dict[str, Any], header: str) -> dict[str, Any]:
+    # The key comes from the gateway's own environment, never from the client.
+    return {"match": match, "route": route, "request_headers_to_add": [
+        {"header": {"key": header, "value": f"%ENVIRONMENT({ADMIN_KEY_ENV})%"}}]}
+
+
 def refused_routes(allowed: list[str]) -> list[dict[str, Any]]:
-    """A refusal for each refused RPC not allowed; the admin key (from the gateway's own
-    environment, never from the client) on each RPC of Triton's restricted groups that passes."""
-    routes: list[dict[str, Any]] = []
-    for rpc in RPCS:
-        if rpc.refusal and rpc.name not in allowed:
-            routes.append({"match": {"path": rpc.path},
-                           "direct_response": {"status": REFUSAL_STATUS,
-                                               "body": {"inline_string": refusal_message(rpc)}}})
-        elif rpc.restricted:
-            routes.append({"match": {"path": rpc.path},
-                           "route": {"cluster": GRPC_CLUSTER, "timeout": "0s",
-                                     "max_stream_duration": {"grpc_timeout_header_max": "0s"}},
-                           "request_headers_to_add": [{"header": {
-                               "key": ADMIN_HEADER,
-                               "value": f"%ENVIRONMENT({ADMIN_KEY_ENV})%"}}]})
-    return routes
+    """A refusal for each refused RPC not allowed; the admin key on each RPC of Triton's
+    restricted groups that passes."""
+    route = {"cluster": GRPC_CLUSTER, "timeout": "0s",
+             "max_stream_duration": {"grpc_timeout_header_max": "0s"}}
+    return [_refused({"path": rpc.path}, refusal_message(rpc))
+            if rpc.refusal and rpc.name not in allowed
+            else _with_admin_key({"path": rpc.path}, route, ADMIN_HEADER)
+            for rpc in RPCS if rpc.restricted or (rpc.refusal and rpc.name not in allowed)]
 
 
 def refused_http_routes(allowed: list[str]) -> list[dict[str, Any]]:
     """The same for Triton's HTTP API: the listener's local_reply_config turns a refusal's text
     into Triton's error shape, {"error": "..."}."""
-    routes: list[dict[str, Any]] = []
-    for rpc in HTTP_RESTRICTED:
-        match = {"safe_regex": {"regex": rpc.http_path}}
-        if rpc.refusal and rpc.name not in allowed:
-            routes.append({"match": match,
-                           "direct_response": {"status": REFUSAL_STATUS,
-                                               "body": {"inline_string": refusal_message(rpc)}}})
-        else:
-            routes.append({"match": match,
-                           "route": {"cluster": HTTP_CLUSTER, "timeout": "0s"},
-                           "request_headers_to_add": [{"header": {
-                               "key": HTTP_ADMIN_HEADER,
-                               "value": f"%ENVIRONMENT({ADMIN_KEY_ENV})%"}}]})
-    return routes
+    route = {"cluster": HTTP_CLUSTER, "timeout": "0s"}
+    return [_refused({"safe_regex": {"regex": rpc.http_path}}, refusal_message(rpc))
+            if rpc.refusal and rpc.name not in allowed
+            else _with_admin_key({"safe_regex": {"regex": rpc.http_path}}, route,
+                                 HTTP_ADMIN_HEADER)
+            for rpc in HTTP_RESTRICTED]
 
 
 def _render_block(lines: list[str], block: str, routes: list[dict[str, Any]]) -> list[str]:

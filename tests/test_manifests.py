@@ -279,6 +279,13 @@ def test_the_gateway_config_is_what_make_gateway_config_writes() -> None:
     assert render(text, allowed_admin_rpcs(yaml.safe_load(SERVE_CONFIG.read_text()))) == text
 
 
+def test_the_gateway_refuses_a_missing_token_in_the_forwarders_words() -> None:
+    from schema.gateway_config import ENVOY_CONFIG
+    from triton_forwarder.access import UNAUTHENTICATED
+
+    assert f'local UNAUTHENTICATED = "{UNAUTHENTICATED}"' in ENVOY_CONFIG.read_text()
+
+
 def test_the_envoy_binary_accepts_the_gateway_config() -> None:
     envoy = Path(sys.executable).with_name("envoy")
     result = subprocess.run([str(envoy), "--mode", "validate", "-c", "gateway/envoy.yaml",

@@ -31,6 +31,8 @@ ADMIN_HEADER = f"triton-grpc-protocol-{ADMIN_KEY_NAME}"
 # ...and in an HTTP header named like the key itself.
 HTTP_ADMIN_HEADER = ADMIN_KEY_NAME
 AUTHORIZATION = "authorization"
+# What a refused client reads (the gateway's Lua filter says the same).
+UNAUTHENTICATED = "missing or invalid bearer token (send `authorization: Bearer <token>`)"
 _RECHECK_S = 5.0
 
 

@@ -23,7 +23,7 @@ from ray import serve
 from starlette.requests import Request
 from starlette.responses import Response
 
-from .access import ADMIN_HEADER, AUTHORIZATION, TokenCheck, admin_key
+from .access import ADMIN_HEADER, AUTHORIZATION, UNAUTHENTICATED, TokenCheck, admin_key
 from .http_forwarding import HttpForwarder
 from .rpcs import BY_NAME, REFUSABLE, RPCS, Rpc, refusal_message
 from .servicer import TIMEOUT_KEY
@@ -40,7 +40,6 @@ _HOP_METADATA = frozenset(
      # Never passed on: the client's credentials, and a key only the forwarder may send.
      AUTHORIZATION, ADMIN_HEADER}
 )
-_UNAUTHENTICATED = "missing or invalid bearer token (send `authorization: Bearer <token>`)"
 # Set only by `make local`, whose simulated pods share one host: each Ray node's replica talks
 # to its own Triton, as a pod's does on localhost.
 TRITON_ADDRESS_ENV = "SONIC_RAY_TRITON_ADDRESS"
@@ -234,8 +233,8 @@ class TritonForwarder:
         # exception, and a refusal is an answer, not a fault.
         if self._tokens is not None and not self._tokens.allows(context.invocation_metadata()):
             context.set_code(grpc.StatusCode.UNAUTHENTICATED)
-            context.set_details(_UNAUTHENTICATED)
-            return _UNAUTHENTICATED
+            context.set_details(UNAUTHENTICATED)
+            return UNAUTHENTICATED
         if rpc.refusal and rpc.name not in self._allowed:
             context.set_code(grpc.StatusCode.PERMISSION_DENIED)
             context.set_details(refusal_message(rpc))

@@ -15,10 +15,12 @@ import aiohttp
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from .access import ADMIN_HEADER, AUTHORIZATION, HTTP_ADMIN_HEADER, TokenCheck
+from .access import ADMIN_HEADER, AUTHORIZATION, HTTP_ADMIN_HEADER, UNAUTHENTICATED, TokenCheck
 from .rpcs import HTTP_RESTRICTED, Rpc, refusal_message
 
-UNAUTHENTICATED = "missing or invalid bearer token (send `authorization: Bearer <token>`)"
+# Matched against every request's path: compiled once.
+_RESTRICTED_PATHS = tuple((re.compile(rpc.http_path), rpc) for rpc in HTTP_RESTRICTED)
+_REPEATED_SLASHES = re.compile("/{2,}")
 # Headers of one hop (RFC 9110 7.6.1), and those never passed on: the client's credentials
 # and a key only the forwarder may send. Content-Length is set again for the bytes sent.
 _NOT_FORWARDED = frozenset({
@@ -40,10 +42,7 @@ def error(status: int, message: str, headers: dict[str, str] | None = None) -> R
 
 def restricted_rpc(path: str) -> Rpc | None:
     """The refusable or restricted call that an HTTP path names, if any."""
-    for rpc in HTTP_RESTRICTED:
-        if re.fullmatch(rpc.http_path, path):
-            return rpc
-    return None
+    return next((rpc for pattern, rpc in _RESTRICTED_PATHS if pattern.fullmatch(path)), None)
 
 
 async def _body(request: Request) -> AsyncIterator[bytes]:
@@ -77,7 +76,7 @@ class HttpForwarder:
                 [(AUTHORIZATION, request.headers.get(AUTHORIZATION, ""))]):
             return error(401, UNAUTHENTICATED, {"www-authenticate": "Bearer"})
         # One spelling of each path: a refused endpoint is not reached through `//`.
-        path = re.sub("/{2,}", "/", request.url.path)
+        path = _REPEATED_SLASHES.sub("/", request.url.path)
         headers = [(key, value) for key, value in request.headers.items()
                    if key.lower() not in _NOT_FORWARDED]
         rpc = restricted_rpc(path)
@@ -119,7 +118,3 @@ class HttpForwarder:
         response.raw_headers = [(k.lower().encode("latin-1"), v.encode("latin-1"))
                                 for k, v in returned]
         return response
-
-    async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()

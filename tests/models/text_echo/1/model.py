@@ -1,16 +1,1 @@
-import triton_python_backend_utils as pb_utils
-
-
-class TritonPythonModel:
-    def execute(self, requests):
-        return [
-            pb_utils.InferenceResponse(
-                output_tensors=[
-                    pb_utils.Tensor(
-                        "text_output",
-                        pb_utils.get_input_tensor_by_name(r, "text_input").as_numpy(),
-                    )
-                ]
-            )
-            for r in requests
-        ]
+../../identity_fp32/1/model.py
