@@ -29,6 +29,8 @@ EXAMPLE_MODELS = ROOT / "serve" / "models"
 TEST_MODELS = ROOT / "tests" / "models"
 REPLICA_PORTS = 16  # per stack and protocol: more than any test's replicas
 MAX_PODS = 4  # Triton port blocks reserved per stack
+# The stack's own `ready` line, anchored: a traceback it prints may name `ProxyActor.ready()`.
+READY_LINE = r"^\[local\] ready: "
 
 
 def stack_ports_env() -> dict[str, str]:
@@ -170,7 +172,7 @@ class RunningStack:
 
 @contextmanager
 def running_stack(env: dict[str, str], wrapper: Sequence[str] = (),
-                  ready_pattern: str = r"\bready\b") -> Iterator[RunningStack]:
+                  ready_pattern: str = READY_LINE) -> Iterator[RunningStack]:
     """A stack on ports of its own with a fresh copy of the example and test models, started
     (under `wrapper`, a command that execs its arguments) until `ready` and stopped with
     SIGTERM afterwards (its exit status is in `process.process.returncode`)."""
@@ -181,7 +183,7 @@ def running_stack(env: dict[str, str], wrapper: Sequence[str] = (),
     process = StackProcess({**ports, "MODEL_REPOSITORY": str(repo), "RAY_AUTH_TOKEN": token,
                             **env}, wrapper)
     try:
-        process.wait_for_line(r"\bready\b", timeout_s=420)
+        process.wait_for_line(READY_LINE, timeout_s=420)
         process.wait_for_line(ready_pattern, timeout_s=300)
         yield RunningStack(process, ports, repo, token)
     finally:

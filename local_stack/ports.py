@@ -1,40 +1,51 @@
-"""Free ports on this machine, for the stack's own Ray processes and for stacks in tests."""
+"""Free ports on this machine, for the stack's own Ray processes and for stacks in tests.
+
+Every port is drawn at random from between Ray's worker ports (10002-19999) and the kernel's
+ephemeral ports (32768 on): a port the kernel handed out as free (bind to port 0) comes from
+the ephemeral range, where any outgoing connection of Ray's may take it before our server binds
+it (CI saw Serve's proxy fail to bind such a port)."""
 
 from __future__ import annotations
 
 import random
 import socket
+from pathlib import Path
+
+LOW = 20000
+_EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
+# Ports this process handed out: they are free until their server binds them, so a later draw
+# must not hand them out again.
+_handed_out: set[int] = set()
+_rng = random.Random()
+
+
+def _high() -> int:
+    try:
+        return min(int(_EPHEMERAL.read_text().split()[0]), 32768)
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port_range(count: int) -> int:
+    """The first of `count` consecutive free ports, none handed out before."""
+    high = _high()
+    for _ in range(500):
+        first = _rng.randrange(LOW, high - count)
+        block = range(first, first + count)
+        if _handed_out.isdisjoint(block) and all(_bindable(port) for port in block):
+            _handed_out.update(block)
+            return first
+    raise RuntimeError(f"no {count} consecutive free ports between {LOW} and {high}")
 
 
 def free_ports(count: int) -> list[int]:
-    sockets = []
-    try:
-        for _ in range(count):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
-def free_port_range(count: int, low: int = 20000, high: int = 30000) -> int:
-    """The first of `count` consecutive free ports between `low` and `high`, which lie
-    between Ray's worker ports (10002-19999) and the kernel's ephemeral ports."""
-    rng = random.Random()
-    for _ in range(200):
-        first = rng.randrange(low, high - count)
-        sockets = []
-        try:
-            for port in range(first, first + count):
-                s = socket.socket()
-                sockets.append(s)
-                s.bind(("0.0.0.0", port))
-            return first
-        except OSError:
-            continue
-        finally:
-            for s in sockets:
-                s.close()
-    raise RuntimeError(f"no {count} consecutive free ports between {low} and {high}")
+    return [free_port_range(1) for _ in range(count)]

@@ -1,0 +1,53 @@
+"""The local stack's ports: never from the kernel's ephemeral range, where Ray's own outgoing
+connections take ports at random, and never handed out twice."""
+
+from __future__ import annotations
+
+import re
+import socket
+
+import pytest
+
+from local_stack import ports
+from local_stack.harness import READY_LINE
+
+
+def test_ports_lie_between_rays_worker_ports_and_the_ephemeral_range() -> None:
+    ephemeral_low = int(ports._EPHEMERAL.read_text().split()[0])
+    drawn = ports.free_ports(200)
+    assert all(19999 < port < ephemeral_low for port in drawn), drawn
+
+
+def test_no_port_is_handed_out_twice() -> None:
+    singles = ports.free_ports(300)
+    first = ports.free_port_range(40)
+    block = set(range(first, first + 40))
+    assert len(set(singles)) == len(singles)
+    assert block.isdisjoint(singles)
+    assert block.isdisjoint(ports.free_ports(300))
+
+
+def test_a_bound_port_is_not_handed_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    busy, free = ports.free_ports(2)
+    ports._handed_out.difference_update({busy, free})
+    monkeypatch.setattr(ports, "_rng", _Scripted([busy, free]))
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", busy))
+        taken.listen()
+        assert ports.free_port_range(1) == free
+
+
+class _Scripted:
+    """Draws in a given order, so the test knows which port comes first."""
+
+    def __init__(self, draws: list[int]) -> None:
+        self.draws = draws
+
+    def randrange(self, low: int, high: int) -> int:
+        return self.draws.pop(0)
+
+
+def test_the_ready_line_is_the_stacks_own_not_a_traceback_naming_ready() -> None:
+    assert re.search(READY_LINE, "[local] ready: Triton answers ServerReady through Envoy")
+    assert not re.search(READY_LINE, "[local] error: ray::ProxyActor.ready() (pid=1) failed")
+    assert not re.search(READY_LINE, "    raise RuntimeError('ProxyActor.ready')")
