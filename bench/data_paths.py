@@ -5,8 +5,10 @@ variants), starts the local stack (real Triton, real Serve, real Envoy), then fo
 request size and concurrency alternates direct-Triton and through-the-path measurements with the
 same client (tritonclient.grpc.aio; tritonclient.http.aio for Triton's HTTP API: small JSON and
 1 MiB binary tensors), repeated so that machine noise cancels. Prints a table (req/s,
-p50, p99, ratio to direct), the CPU seconds per 1000 requests spent by Envoy, by Ray's processes
-and by Triton, writes the figures as JSON and a PNG plot, and stops everything it started.
+p50, p99, ratio to direct), the CPU seconds per 1000 requests spent by Envoy, by Ray's processes,
+by Triton and by the client, and how busy the machine's cores were (on a machine where all of
+them share the cores, a path whose cells run at 100% is CPU-bound: its ratio is the ratio of
+CPU per call), writes the figures as JSON and a PNG plot, and stops everything it started.
 
     python -m bench.data_paths [--modes gateway serve classic ...] [--protocols grpc http]
                                [--seconds 3] [--repeats 3]
@@ -94,6 +96,8 @@ class Cell:
     envoy_cpu_s_per_1k: float
     ray_cpu_s_per_1k: float
     triton_cpu_s_per_1k: float
+    client_cpu_s_per_1k: float  # this process: the calls' client
+    machine_busy: float  # share of all cores busy while the cell ran (1.0: CPU-bound)
 
 
 def _inputs(size: str) -> tuple[str, Callable[[], list[tc.InferInput]]]:
@@ -125,6 +129,18 @@ def _http_inputs(size: str) -> tuple[str, list[httpclient.InferInput]]:
     return "identity_fp32", inputs
 
 
+def _own_cpu_s() -> float:
+    times = os.times()
+    return times.user + times.system
+
+
+def _machine_ticks() -> tuple[int, int]:
+    """(busy, total) clock ticks of all cores since boot, from /proc/stat."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle and iowait
+    return sum(fields) - idle, sum(fields)
+
+
 def _cpu_s(sids: list[int]) -> float:
     """CPU seconds (user + system: stat fields 14 and 15) of the live processes of sessions."""
     members = [fields for sid in sids for fields in session_members(sid).values()]
@@ -132,6 +148,20 @@ def _cpu_s(sids: list[int]) -> float:
 
 
 Measured = tuple[int, list[float], int]  # calls done, their latencies, errors
+
+
+@dataclass
+class Sample:
+    """One timed run of one cell's path."""
+
+    rps: float
+    latencies: list[float]
+    errors: int
+    envoy_cpu_s: float
+    ray_cpu_s: float
+    triton_cpu_s: float
+    client_cpu_s: float
+    machine_busy: float
 
 
 async def _timed(call: Callable[[], Awaitable[object]], concurrency: int,
@@ -204,31 +234,35 @@ def run_mode(mode: str, protocols: list[str], sizes: list[str], concurrencies: l
             urls = {"direct": running.url(direct), "through": running.url(through)}
             if replica and protocol == "grpc":
                 urls["replica"] = f"localhost:{replica}"
-            samples: dict[str, list[tuple[float, list[float], int, float, float, float]]] = {
-                path: [] for path in urls}
+            samples: dict[str, list[Sample]] = {path: [] for path in urls}
             for _ in range(repeats):
                 for path, url in urls.items():
                     env0, ray0 = _cpu_s(envoy_sids), _cpu_s(ray_sids)
-                    tri0 = _cpu_s([triton_sid])
+                    tri0, own0, machine0 = _cpu_s([triton_sid]), _own_cpu_s(), _machine_ticks()
                     started = time.monotonic()
                     count, latencies, errors = asyncio.run(
                         MEASURE[protocol](url, size, concurrency, seconds))
                     elapsed = time.monotonic() - started
-                    samples[path].append((count / elapsed, latencies, errors,
-                                          _cpu_s(envoy_sids) - env0, _cpu_s(ray_sids) - ray0,
-                                          _cpu_s([triton_sid]) - tri0))
+                    machine1 = _machine_ticks()
+                    samples[path].append(Sample(
+                        count / elapsed, latencies, errors, _cpu_s(envoy_sids) - env0,
+                        _cpu_s(ray_sids) - ray0, _cpu_s([triton_sid]) - tri0,
+                        _own_cpu_s() - own0,
+                        (machine1[0] - machine0[0]) / max(1, machine1[1] - machine0[1])))
             for path, runs in samples.items():
-                latencies = sorted(x for run in runs for x in run[1]) or [float("nan")]
-                done = sum(len(run[1]) for run in runs) or 1
+                latencies = sorted(x for run in runs for x in run.latencies) or [float("nan")]
+                done = sum(len(run.latencies) for run in runs) or 1
                 cells.append(Cell(
                     mode=mode, protocol=protocol, size=size, concurrency=concurrency, path=path,
-                    rps=statistics.median(run[0] for run in runs),
+                    rps=statistics.median(run.rps for run in runs),
                     p50_ms=1000 * latencies[len(latencies) // 2],
                     p99_ms=1000 * latencies[min(len(latencies) - 1, int(len(latencies) * .99))],
-                    errors=sum(run[2] for run in runs),
-                    envoy_cpu_s_per_1k=1000 * sum(run[3] for run in runs) / done,
-                    ray_cpu_s_per_1k=1000 * sum(run[4] for run in runs) / done,
-                    triton_cpu_s_per_1k=1000 * sum(run[5] for run in runs) / done,
+                    errors=sum(run.errors for run in runs),
+                    envoy_cpu_s_per_1k=1000 * sum(run.envoy_cpu_s for run in runs) / done,
+                    ray_cpu_s_per_1k=1000 * sum(run.ray_cpu_s for run in runs) / done,
+                    triton_cpu_s_per_1k=1000 * sum(run.triton_cpu_s for run in runs) / done,
+                    client_cpu_s_per_1k=1000 * sum(run.client_cpu_s for run in runs) / done,
+                    machine_busy=statistics.median(run.machine_busy for run in runs),
                 ))
             latest = {c.path: c for c in cells[-len(urls):]}
             print(f"  {mode:24} {protocol:4} {size:6} c={concurrency:<3} " + " ".join(
@@ -279,8 +313,9 @@ def table(cells: list[Cell]) -> str:
               if c.path == "direct"}
     lines = ["| mode | protocol | size | conc | direct req/s | path req/s | ratio | direct p50/p99 ms | "
              "path p50/p99 ms | added p50 ms | Envoy CPU s/1k | Ray CPU s/1k | "
-             "Triton CPU s/1k | errors |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "Triton CPU s/1k | client CPU s/1k (direct/path) | cores busy (direct/path) | "
+             "errors |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in cells:
         if c.path == "direct":
             continue
@@ -292,7 +327,8 @@ def table(cells: list[Cell]) -> str:
             f"{c.rps / d.rps:.2f} | {d.p50_ms:.2f}/{d.p99_ms:.1f} | {c.p50_ms:.2f}/{c.p99_ms:.1f} | "
             f"{c.p50_ms - d.p50_ms:.2f} | {c.envoy_cpu_s_per_1k:.2f} | "
             f"{c.ray_cpu_s_per_1k:.2f} | {c.triton_cpu_s_per_1k:.2f} | "
-            f"{c.errors + d.errors} |")
+            f"{d.client_cpu_s_per_1k:.2f}/{c.client_cpu_s_per_1k:.2f} | "
+            f"{d.machine_busy:.0%}/{c.machine_busy:.0%} | {c.errors + d.errors} |")
     return "\n".join(lines)
 
 
