@@ -141,6 +141,24 @@ def _machine_ticks() -> tuple[int, int]:
     return sum(fields) - idle, sum(fields)
 
 
+def _wait_until_quiet(timeout_s: float = 90, busy_below: float = 0.25) -> None:
+    """Polls until the cores are mostly idle: a stack that just printed `ready` still spends
+    seconds of CPU settling (Serve's controller, Ray's agents), which would slow the first
+    cells of whichever path ran then."""
+    deadline = time.monotonic() + timeout_s
+    quiet = 0
+    before = _machine_ticks()
+    while time.monotonic() < deadline and quiet < 3:
+        time.sleep(1)
+        after = _machine_ticks()
+        busy = (after[0] - before[0]) / max(1, after[1] - before[1])
+        quiet = quiet + 1 if busy < busy_below else 0
+        before = after
+    if quiet < 3:
+        print(f"  the machine stayed busier than {busy_below:.0%} for {timeout_s:.0f} s; "
+              "measuring anyway", flush=True)
+
+
 def _cpu_s(sids: list[int]) -> float:
     """CPU seconds (user + system: stat fields 14 and 15) of the live processes of sessions."""
     members = [fields for sid in sids for fields in session_members(sid).values()]
@@ -227,6 +245,7 @@ def run_mode(mode: str, protocols: list[str], sizes: list[str], concurrencies: l
         envoy_sids = stack.pids(r"Envoy started \(pid (\d+)\)")
         triton_sid = stack.triton_pid()
         replica = _replica_grpc_port(running)
+        _wait_until_quiet()
         for protocol, size, concurrency in (
                 (p, s, c) for p in protocols for s in sizes for c in concurrencies
                 if p == "grpc" or s in HTTP_SIZES):
