@@ -19,11 +19,14 @@ _handed_out: set[int] = set()
 _rng = random.Random()
 
 
-def _high() -> int:
+def _ephemeral_low() -> int:
     try:
         return min(int(_EPHEMERAL.read_text().split()[0]), 32768)
     except (OSError, ValueError, IndexError):
         return 32768
+
+
+HIGH = _ephemeral_low()
 
 
 def _bindable(port: int) -> bool:
@@ -37,14 +40,13 @@ def _bindable(port: int) -> bool:
 
 def free_port_range(count: int) -> int:
     """The first of `count` consecutive free ports, none handed out before."""
-    high = _high()
     for _ in range(500):
-        first = _rng.randrange(LOW, high - count)
+        first = _rng.randrange(LOW, HIGH - count)
         block = range(first, first + count)
         if _handed_out.isdisjoint(block) and all(_bindable(port) for port in block):
             _handed_out.update(block)
             return first
-    raise RuntimeError(f"no {count} consecutive free ports between {LOW} and {high}")
+    raise RuntimeError(f"no {count} consecutive free ports between {LOW} and {HIGH}")
 
 
 def free_ports(count: int) -> list[int]:

@@ -49,8 +49,14 @@ from triton_forwarder.rpcs import SERVICE
 READY_TIMEOUT_S = 600.0
 
 
+# Every line the stack prints starts so; the `ready` line (READY) is the contract that `make
+# local`'s users and the test harness wait for.
+SAID = "[local]"
+READY = "ready:"
+
+
 def say(message: str) -> None:
-    print(f"[local] {message}", flush=True)
+    print(f"{SAID} {message}", flush=True)
 
 
 def _wait(what: str, check: Callable[[], Any], timeout_s: float,
@@ -214,7 +220,7 @@ class LocalStack:
         if s.observe:
             self._start_prometheus()
         self._print_endpoints()
-        say(f"ready: Triton answers ServerReady through {s.client_port_owner} "
+        say(f"{READY} Triton answers ServerReady through {s.client_port_owner} "
             f"at localhost:{s.grpc_port}, and HTTP at localhost:{s.http_port}")
 
     def _start_ray(self) -> None:

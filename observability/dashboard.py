@@ -22,6 +22,7 @@ from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models.dashboard import DataSourceRef, VariableRefresh
 
 from schema import write_or_check
+from schema.gateway_config import GRPC_CLUSTER, HTTP_CLUSTER
 
 HERE = Path(__file__).resolve().parent
 DASHBOARD_JSON = HERE / "dashboard.json"
@@ -33,7 +34,7 @@ DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
 TRITON = 'model=~"$model", instance=~"$pod"'
 RATE = "[$__rate_interval]"
 FORWARDER = 'deployment="TritonForwarder"'
-TRITON_CLUSTERS = 'envoy_cluster_name=~"triton|triton-http"'
+TRITON_CLUSTERS = f'envoy_cluster_name=~"{GRPC_CLUSTER}|{HTTP_CLUSTER}"'
 
 
 @dataclass(frozen=True)

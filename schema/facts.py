@@ -207,7 +207,7 @@ def _add_gateway_facts(facts: Facts, stream: list[dict[str, Any]], spec: dict[st
     if named(envoy, "clusters", HTTP_CLUSTER):
         facts.put("gatewayTritonHttpClusterPort", _cluster_port(envoy, HTTP_CLUSTER),
                   f"{source} clusters[{HTTP_CLUSTER}] endpoint port_value")
-    triton = named(envoy, "clusters", "triton")
+    triton = named(envoy, "clusters", GRPC_CLUSTER)
     dns = ((triton.get("cluster_type") or {}).get("typed_config") or {})
     refresh = dns.get("dns_refresh_rate") or triton.get("dns_refresh_rate") or "5s"  # default
     facts.put("gatewayDnsRefreshS", _seconds(refresh), f"{source} clusters[triton].dns_refresh_rate")

@@ -59,9 +59,9 @@ def refused_routes(allowed: list[str]) -> list[dict[str, Any]]:
     route = {"cluster": GRPC_CLUSTER, "timeout": "0s",
              "max_stream_duration": {"grpc_timeout_header_max": "0s"}}
     return [_refused({"path": rpc.path}, refusal_message(rpc))
-            if rpc.refusal and rpc.name not in allowed
+            if rpc.refused(allowed)
             else _with_admin_key({"path": rpc.path}, route, ADMIN_HEADER)
-            for rpc in RPCS if rpc.restricted or (rpc.refusal and rpc.name not in allowed)]
+            for rpc in RPCS if rpc.restricted or rpc.refused(allowed)]
 
 
 def refused_http_routes(allowed: list[str]) -> list[dict[str, Any]]:
@@ -69,7 +69,7 @@ def refused_http_routes(allowed: list[str]) -> list[dict[str, Any]]:
     into Triton's error shape, {"error": "..."}."""
     route = {"cluster": HTTP_CLUSTER, "timeout": "0s"}
     return [_refused({"safe_regex": {"regex": rpc.http_path}}, refusal_message(rpc))
-            if rpc.refusal and rpc.name not in allowed
+            if rpc.refused(allowed)
             else _with_admin_key({"safe_regex": {"regex": rpc.http_path}}, route,
                                  HTTP_ADMIN_HEADER)
             for rpc in HTTP_RESTRICTED]

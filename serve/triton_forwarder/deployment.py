@@ -235,7 +235,7 @@ class TritonForwarder:
             context.set_code(grpc.StatusCode.UNAUTHENTICATED)
             context.set_details(UNAUTHENTICATED)
             return UNAUTHENTICATED
-        if rpc.refusal and rpc.name not in self._allowed:
+        if rpc.refused(self._allowed):
             context.set_code(grpc.StatusCode.PERMISSION_DENIED)
             context.set_details(refusal_message(rpc))
             return refusal_message(rpc)

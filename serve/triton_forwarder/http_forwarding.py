@@ -81,7 +81,7 @@ class HttpForwarder:
                    if key.lower() not in _NOT_FORWARDED]
         rpc = restricted_rpc(path)
         if rpc is not None:
-            if rpc.refusal and rpc.name not in self._allowed:
+            if rpc.refused(self._allowed):
                 return error(403, refusal_message(rpc))
             if self._admin_key:
                 headers.append((HTTP_ADMIN_HEADER, self._admin_key))

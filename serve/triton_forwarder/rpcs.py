@@ -4,6 +4,7 @@ tests/test_rpc_table.py checks it against tritonclient's own service descriptor.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 SERVICE = "inference.GRPCInferenceService"
@@ -25,6 +26,10 @@ class Rpc:
     @property
     def path(self) -> str:
         return f"/{SERVICE}/{self.name}"
+
+    def refused(self, allowed: Collection[str]) -> bool:
+        """Refused on both data paths, unless the Serve config's allowed_admin_rpcs names it."""
+        return bool(self.refusal) and self.name not in allowed
 
 
 _ONE_REPLICA = (
