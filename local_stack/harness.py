@@ -22,15 +22,16 @@ from typing import Any
 import yaml
 
 from local_stack.ports import free_port_range, free_ports
-from local_stack.ray_cluster import deploy
+from local_stack.ray_cluster import application, deploy, deployment_of
 from local_stack.settings import DEFAULT_CONFIG, POD_PORT_STEP, ROOT, Settings
+from local_stack.stack import READY, SAID
 
 EXAMPLE_MODELS = ROOT / "serve" / "models"
 TEST_MODELS = ROOT / "tests" / "models"
 REPLICA_PORTS = 16  # per stack and protocol: more than any test's replicas
 MAX_PODS = 4  # Triton port blocks reserved per stack
 # The stack's own `ready` line, anchored: a traceback it prints may name `ProxyActor.ready()`.
-READY_LINE = r"^\[local\] ready: "
+READY_LINE = f"^{re.escape(f'{SAID} {READY}')} "
 
 
 def stack_ports_env() -> dict[str, str]:
@@ -159,11 +160,25 @@ class RunningStack:
     def triton_url(self, pod: int) -> str:
         return f"localhost:{int(self.ports['TRITON_GRPC_PORT']) + POD_PORT_STEP * pod}"
 
-    def redeploy(self, serve_config: Path) -> None:
+    def redeploy(self, serve_config: Path, timeout_s: float = 180) -> None:
         """Deploys another Serve config in place, with this stack's ports, as KubeRay applies a
-        changed serveConfigV2."""
+        changed serveConfigV2, and returns once Serve has rolled it out: a replica of the old
+        config may otherwise still take (and refuse, by its old limits) the next calls."""
+        dashboard = f"http://127.0.0.1:{self.ports['RAY_DASHBOARD_PORT']}"
+        before = application(dashboard, self.ray_token).get("last_deployed_time_s")
         deploy(Settings.from_env({**os.environ, **self.process.env,
                                   "SERVE_CONFIG": str(serve_config)}))
+        deadline = time.monotonic() + timeout_s
+        while True:
+            app = application(dashboard, self.ray_token)
+            if (app.get("last_deployed_time_s") != before and app.get("status") == "RUNNING"
+                    and deployment_of(app).get("status") == "HEALTHY"):
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"Serve did not roll out {serve_config} within {timeout_s}s: "
+                                   f"application {app.get('status')}, deployment "
+                                   f"{deployment_of(app).get('status')}")
+            time.sleep(0.5)
 
     def triton_metrics_url(self, pod: int) -> str:
         port = int(self.ports["TRITON_METRICS_PORT"]) + POD_PORT_STEP * pod

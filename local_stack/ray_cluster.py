@@ -147,11 +147,21 @@ def http(method: str, url: str, token: str, body: dict[str, Any] | None = None,
     return json.loads(text) if text.strip() else None
 
 
+def application(dashboard: str, token: str) -> dict[str, Any]:
+    """The Triton application as Serve's REST API reports it (empty before the first deploy)."""
+    apps = http("GET", f"{dashboard}/api/serve/applications/", token)
+    app: dict[str, Any] = (apps.get("applications") or {}).get(APP) or {}
+    return app
+
+
+def deployment_of(app: dict[str, Any]) -> dict[str, Any]:
+    found: dict[str, Any] = (app.get("deployments") or {}).get(DEPLOYMENT, {})
+    return found
+
+
 def replicas(dashboard: str, token: str) -> list[dict[str, Any]]:
     """Serve's replicas of the Triton deployment, as its REST API reports them."""
-    apps = http("GET", f"{dashboard}/api/serve/applications/", token)
-    app = (apps.get("applications") or {}).get(APP) or {}
-    found: list[dict[str, Any]] = (app.get("deployments") or {}).get(DEPLOYMENT, {}).get(
+    found: list[dict[str, Any]] = deployment_of(application(dashboard, token)).get(
         "replicas", [])
     return found
 
