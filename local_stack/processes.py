@@ -6,6 +6,9 @@ import contextlib
 import os
 import signal
 import subprocess
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -65,3 +68,64 @@ def spawn(cmd: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[by
     with open(log, "ab") as out:
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
                                 preexec_fn=die_with_stack)
+
+
+class Supervisor:
+    """Runs a container's process and restarts it with backoff when it exits, as the kubelet
+    would (restartPolicy Always): a crash is said, with its log, never hidden or fatal."""
+
+    def __init__(self, name: str, cmd: list[str], log_path: Path,
+                 env: Callable[[], dict[str, str]], say: Callable[[str], None]) -> None:
+        self.name = name
+        self._cmd = cmd
+        self.log_path = log_path
+        self._env = env
+        self._say = say
+        self._stopping = threading.Event()
+        self._process: subprocess.Popen[bytes] | None = None
+        # PR_SET_PDEATHSIG follows the thread that forks: this one lives as long as the child.
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def exited_as_planned(self, code: int) -> bool:
+        """Whether an exit was asked for (and says so); a subclass's planned restarts."""
+        return False
+
+    def _run(self) -> None:
+        backoff = 1.0
+        while not self._stopping.is_set():
+            started = time.monotonic()
+            self._process = spawn(self._cmd, self.log_path, self._env())
+            self._say(f"{self.name} started (pid {self._process.pid}), log: {self.log_path}")
+            code = self._process.wait()
+            # Helpers outlive a killed parent (Triton's python stubs); a container's all go.
+            kill_session(self._process.pid)
+            if self._stopping.is_set():
+                return
+            if self.exited_as_planned(code):
+                backoff = 1.0
+                continue
+            if time.monotonic() - started > 60:
+                backoff = 1.0
+            self._say(f"{self.name} exited with status {code}; restarting in {backoff:.0f}s "
+                      f"(last lines in {self.log_path})")
+            if self._stopping.wait(backoff):
+                return
+            backoff = min(backoff * 2, 30.0)
+
+    def signal(self, signum: int) -> bool:
+        """Sends `signum` to the running process; False when none runs."""
+        process = self._process
+        if process is None or process.poll() is not None:
+            return False
+        process.send_signal(signum)
+        return True
+
+    def stop(self, grace_s: float = 15) -> None:
+        self._stopping.set()
+        process = self._process
+        if process is not None and process.poll() is None:
+            terminate(process, grace_s=grace_s)
+        self._thread.join(timeout=grace_s + 5)

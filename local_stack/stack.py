@@ -40,7 +40,7 @@ import grpc
 import yaml
 
 from local_stack import gateway, prometheus, ray_cluster, triton
-from local_stack.processes import set_parent_death_signal, spawn, terminate
+from local_stack.processes import Supervisor, set_parent_death_signal, terminate
 from local_stack.settings import Settings
 from schema.gateway_config import HTTP_CLUSTER
 from triton_forwarder.access import ADMIN_KEY_ENV, TokenCheck
@@ -189,13 +189,12 @@ class LocalStack:
             (self.workdir / "pods" / str(i)).mkdir(parents=True)
         self.ray: subprocess.Popen[bytes] | None = None
         self.pod_nodes: list[subprocess.Popen[bytes]] = []
-        self.envoy: subprocess.Popen[bytes] | None = None
+        self.envoy: Supervisor | None = None
         self.prometheus: subprocess.Popen[bytes] | None = None
         self.discovery: Discovery | None = None
 
     def alive(self) -> None:
-        for name, process in [("Ray", self.ray), ("Envoy", self.envoy),
-                              ("Prometheus", self.prometheus),
+        for name, process in [("Ray", self.ray), ("Prometheus", self.prometheus),
                               *((f"pod {i}'s Ray node", p) for i, p in enumerate(self.pod_nodes))]:
             if process is not None and process.poll() is not None:
                 raise SystemExit(f"{name} exited with status {process.returncode}; "
@@ -264,10 +263,13 @@ class LocalStack:
         config_path.write_text(yaml.safe_dump(gateway.local_config(
             s, self.discovery.path, self.discovery.http_path)))
         # Envoy adds the admin key to the restricted RPCs that pass (gateway/envoy.yaml).
-        self.envoy = spawn(gateway.command(config_path), self.workdir / "envoy.log",
-                           {**os.environ, ADMIN_KEY_ENV: self.admin_key})
-        say(f"gateway: Envoy started (pid {self.envoy.pid}) on {s.grpc_port} and {s.http_port}, "
-            f"log: {self.workdir / 'envoy.log'}")
+        # Supervised: the gateway's Deployment has the kubelet restart a crashed Envoy, and
+        # Envoy 1.40 has been seen to abort once at start (gRPC's epoll poller, EBADF).
+        self.envoy = Supervisor("gateway: Envoy", gateway.command(config_path),
+                                self.workdir / "envoy.log",
+                                lambda: {**os.environ, ADMIN_KEY_ENV: self.admin_key}, say)
+        self.envoy.start()
+        say(f"gateway: Envoy listens on {s.grpc_port} (gRPC) and {s.http_port} (HTTP)")
         self.discovery.start()
 
     def metrics_targets(self) -> dict[str, list[int]]:
@@ -381,8 +383,8 @@ class LocalStack:
             terminate(self.prometheus, grace_s=10)
         if self.discovery is not None:
             self.discovery.stop()
-        if self.envoy is not None and self.envoy.poll() is None:
-            terminate(self.envoy, grace_s=10)
+        if self.envoy is not None:
+            self.envoy.stop(grace_s=10)
         for node in self.pod_nodes:
             with contextlib.suppress(ProcessLookupError):
                 if node.poll() is None:

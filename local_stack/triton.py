@@ -6,14 +6,13 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
-import subprocess
+import signal
 import sys
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
-from local_stack.processes import kill_session, spawn, terminate
+from local_stack.processes import Supervisor
 from local_stack.settings import TritonPorts
 from triton_forwarder.access import ADMIN_KEY_NAME
 
@@ -82,54 +81,28 @@ def environment() -> dict[str, str]:
     return env
 
 
-class TritonSupervisor:
-    """Runs the Triton of one simulated pod and restarts it with backoff when it exits, as the
-    kubelet would. `retire` is what a pod deletion does to Triton: out of discovery first
-    (`before_exit` waits for that), then SIGTERM, Triton finishing its calls; then a new one."""
+class TritonSupervisor(Supervisor):
+    """Runs the Triton of one simulated pod, restarted as the kubelet would. `retire` is what a
+    pod deletion does to Triton: out of discovery first (`before_exit` waits for that), then
+    SIGTERM, Triton finishing its calls; then a new one."""
 
     def __init__(self, index: int, cmd: list[str], log_path: Path,
                  say: Callable[[str], None]) -> None:
+        super().__init__(f"triton {index}", cmd, log_path, environment, say)
         self.index = index
-        self._cmd = cmd
-        self.log_path = log_path
-        self._say = say
-        self._stopping = threading.Event()
         self._retiring = threading.Event()
-        self._process: subprocess.Popen[bytes] | None = None
-        self._thread = threading.Thread(target=self._run, name=f"triton-{index}", daemon=True)
 
     @property
     def retiring(self) -> bool:
         return self._retiring.is_set()
 
-    def start(self) -> None:
-        self._thread.start()
-
-    def _run(self) -> None:
-        backoff = 1.0
-        while not self._stopping.is_set():
-            started = time.monotonic()
-            self._process = spawn(self._cmd, self.log_path, environment())
-            self._say(f"triton {self.index} started (pid {self._process.pid}), "
-                      f"log: {self.log_path}")
-            code = self._process.wait()
-            # Its python-backend stubs outlive a killed Triton; a container's processes all go.
-            kill_session(self._process.pid)
-            if self._stopping.is_set():
-                return
-            if self._retiring.is_set():
-                self._say(f"triton {self.index} exited with status {code} after its drain; "
-                          "starting the pod's new Triton")
-                self._retiring.clear()
-                backoff = 1.0
-                continue
-            if time.monotonic() - started > 60:
-                backoff = 1.0
-            self._say(f"triton {self.index} exited with status {code}; restarting in "
-                      f"{backoff:.0f}s (last lines in {self.log_path})")
-            if self._stopping.wait(backoff):
-                return
-            backoff = min(backoff * 2, 30.0)
+    def exited_as_planned(self, code: int) -> bool:
+        if not self._retiring.is_set():
+            return False
+        self._say(f"triton {self.index} exited with status {code} after its drain; "
+                  "starting the pod's new Triton")
+        self._retiring.clear()
+        return True
 
     def retire(self, before_exit: Callable[[], None]) -> None:
         """Pod deletion: marks this Triton as terminating (discovery drops it), waits for
@@ -137,14 +110,5 @@ class TritonSupervisor:
         self._retiring.set()
         self._say(f"triton {self.index}: pod deleted; leaving discovery")
         before_exit()
-        process = self._process
-        if process is not None and process.poll() is None:
+        if self.signal(signal.SIGTERM):
             self._say(f"triton {self.index}: out of discovery; SIGTERM, draining its calls")
-            process.terminate()
-
-    def stop(self) -> None:
-        self._stopping.set()
-        process = self._process
-        if process is not None and process.poll() is None:
-            terminate(process, grace_s=15)
-        self._thread.join(timeout=20)
