@@ -141,6 +141,11 @@ def _machine_ticks() -> tuple[int, int]:
     return sum(fields) - idle, sum(fields)
 
 
+def _busy_share(before: tuple[int, int], after: tuple[int, int]) -> float:
+    """The share of all cores busy between two `_machine_ticks` readings."""
+    return (after[0] - before[0]) / max(1, after[1] - before[1])
+
+
 def _wait_until_quiet(timeout_s: float = 90, busy_below: float = 0.25) -> None:
     """Polls until the cores are mostly idle: a stack that just printed `ready` still spends
     seconds of CPU settling (Serve's controller, Ray's agents), which would slow the first
@@ -151,8 +156,7 @@ def _wait_until_quiet(timeout_s: float = 90, busy_below: float = 0.25) -> None:
     while time.monotonic() < deadline and quiet < 3:
         time.sleep(1)
         after = _machine_ticks()
-        busy = (after[0] - before[0]) / max(1, after[1] - before[1])
-        quiet = quiet + 1 if busy < busy_below else 0
+        quiet = quiet + 1 if _busy_share(before, after) < busy_below else 0
         before = after
     if quiet < 3:
         print(f"  the machine stayed busier than {busy_below:.0%} for {timeout_s:.0f} s; "
@@ -262,12 +266,11 @@ def run_mode(mode: str, protocols: list[str], sizes: list[str], concurrencies: l
                     count, latencies, errors = asyncio.run(
                         MEASURE[protocol](url, size, concurrency, seconds))
                     elapsed = time.monotonic() - started
-                    machine1 = _machine_ticks()
+                    busy = _busy_share(machine0, _machine_ticks())
                     samples[path].append(Sample(
                         count / elapsed, latencies, errors, _cpu_s(envoy_sids) - env0,
                         _cpu_s(ray_sids) - ray0, _cpu_s([triton_sid]) - tri0,
-                        _own_cpu_s() - own0,
-                        (machine1[0] - machine0[0]) / max(1, machine1[1] - machine0[1])))
+                        _own_cpu_s() - own0, busy))
             for path, runs in samples.items():
                 latencies = sorted(x for run in runs for x in run.latencies) or [float("nan")]
                 done = sum(len(run.latencies) for run in runs) or 1

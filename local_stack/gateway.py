@@ -91,11 +91,19 @@ def command(config_path: Path, log_level: str = "warning") -> list[str]:
             "--disable-hot-restart", "-l", log_level]
 
 
-def upstream_ports(admin_port: int) -> set[int]:
-    """The Triton ports Envoy has in its `triton` cluster now."""
+def _healthy(host: dict[str, Any]) -> bool:
+    """Listed and passing Envoy's checks: no `failed_*` or pending flag beside EDS's status."""
+    health: dict[str, Any] = host.get("health_status", {})
+    return health == {"eds_health_status": "HEALTHY"}
+
+
+def upstream_ports(admin_port: int, healthy_only: bool = False) -> set[int]:
+    """The Triton ports Envoy has in its `triton` cluster now (with `healthy_only`, those it
+    would send a call to)."""
     url = f"http://127.0.0.1:{admin_port}/clusters?format=json"
     with urllib.request.urlopen(url, timeout=5) as response:
         status = json.load(response)
     return {int(host["address"]["socket_address"]["port_value"])
             for cluster in status.get("cluster_statuses", []) if cluster.get("name") == CLUSTER
-            for host in cluster.get("host_statuses", [])}
+            for host in cluster.get("host_statuses", [])
+            if not healthy_only or _healthy(host)}

@@ -13,7 +13,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +32,17 @@ REPLICA_PORTS = 16  # per stack and protocol: more than any test's replicas
 MAX_PODS = 4  # Triton port blocks reserved per stack
 # The stack's own `ready` line, anchored: a traceback it prints may name `ProxyActor.ready()`.
 READY_LINE = f"^{re.escape(f'{SAID} {READY}')} "
+
+
+def until(what: str, check: Callable[[], object], timeout_s: float,
+          every_s: float = 0.2) -> None:
+    """Polls `check` until it returns True; anything else it returns says why not, and the
+    last such answer is in the TimeoutError."""
+    deadline = time.monotonic() + timeout_s
+    while (detail := check()) is not True:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what} ({detail})")
+        time.sleep(every_s)
 
 
 def stack_ports_env() -> dict[str, str]:
@@ -168,17 +179,16 @@ class RunningStack:
         before = application(dashboard, self.ray_token).get("last_deployed_time_s")
         deploy(Settings.from_env({**os.environ, **self.process.env,
                                   "SERVE_CONFIG": str(serve_config)}))
-        deadline = time.monotonic() + timeout_s
-        while True:
+
+        def rolled_out() -> object:
             app = application(dashboard, self.ray_token)
-            if (app.get("last_deployed_time_s") != before and app.get("status") == "RUNNING"
-                    and deployment_of(app).get("status") == "HEALTHY"):
-                return
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"Serve did not roll out {serve_config} within {timeout_s}s: "
-                                   f"application {app.get('status')}, deployment "
-                                   f"{deployment_of(app).get('status')}")
-            time.sleep(0.5)
+            if app.get("last_deployed_time_s") == before:
+                return "the old config still deployed"
+            state = (app.get("status"), deployment_of(app).get("status"))
+            return state == ("RUNNING", "HEALTHY") or (
+                f"application {state[0]}, deployment {state[1]}")
+
+        until(f"Serve to roll out {serve_config}", rolled_out, timeout_s, every_s=0.5)
 
     def triton_metrics_url(self, pod: int) -> str:
         port = int(self.ports["TRITON_METRICS_PORT"]) + POD_PORT_STEP * pod

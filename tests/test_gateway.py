@@ -6,7 +6,6 @@ metrics and admin ports, and autoscaling on Triton's queue time, up and down."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import time
@@ -21,7 +20,13 @@ import tritonclient.grpc.aio as tc_aio
 from tritonclient.utils import InferenceServerException
 
 from local_stack import gateway
-from local_stack.harness import RunningStack, processes_left_behind, running_stack, serve_config_with
+from local_stack.harness import (
+    RunningStack,
+    processes_left_behind,
+    running_stack,
+    serve_config_with,
+    until,
+)
 from local_stack.triton_inputs import tensor
 from tests.load import DEADLINE_S, Outcome, load, scale_cycle
 
@@ -167,19 +172,6 @@ def test_pod_removed_as_a_scale_down_loses_no_call(pods: RunningStack) -> None:
     pods.process.wait_for_line(r"gateway discovery: pods \[0, 1\]", 120, after=seen)
 
 
-def _healthy_upstreams(admin_port: int) -> set[int]:
-    """The Triton gRPC ports Envoy would send a call to now: listed and passing its checks."""
-    url = f"http://127.0.0.1:{admin_port}/clusters?format=json"
-    with urllib.request.urlopen(url, timeout=5) as response:
-        status = json.load(response)
-    return {int(host["address"]["socket_address"]["port_value"])
-            for cluster in status.get("cluster_statuses", [])
-            if cluster.get("name") == gateway.CLUSTER
-            for host in cluster.get("host_statuses", [])
-            if set(host.get("health_status", {})) == {"eds_health_status"}
-            and host["health_status"]["eds_health_status"] == "HEALTHY"}
-
-
 @pytest.mark.disruptive
 def test_envoy_killed_is_restarted_with_both_tritons(pods: RunningStack) -> None:
     """As the kubelet restarts the gateway's container: the new Envoy reads the current
@@ -189,16 +181,17 @@ def test_envoy_killed_is_restarted_with_both_tritons(pods: RunningStack) -> None
     pods.process.wait_for_line(r"gateway: Envoy exited with status -9; restarting", 30,
                                after=seen)
     pods.process.wait_for_line(r"gateway: Envoy started \(pid \d+\)", 30, after=seen)
-    deadline = time.monotonic() + 60
-    while True:
+    tritons = {int(pods.triton_url(pod).rsplit(":", 1)[1]) for pod in (0, 1)}
+
+    def both_healthy() -> object:
         try:
-            if _healthy_upstreams(int(pods.ports["GATEWAY_ADMIN_PORT"])) == {
-                    int(pods.triton_url(pod).rsplit(":", 1)[1]) for pod in (0, 1)}:
-                break
-        except OSError:
-            pass
-        assert time.monotonic() < deadline, "the restarted Envoy never had both Tritons healthy"
-        time.sleep(0.2)
+            healthy = gateway.upstream_ports(int(pods.ports["GATEWAY_ADMIN_PORT"]),
+                                             healthy_only=True)
+        except OSError as error:
+            return error
+        return healthy == tritons or f"healthy: {sorted(healthy)}"
+
+    until("the restarted Envoy to have both Tritons healthy", both_healthy, 60)
     before = _execution_counts(pods)
     outcomes = asyncio.run(load(pods.url("GRPC_PORT"), 2, 4))
     served = [a - b for a, b in zip(_execution_counts(pods), before, strict=True)]

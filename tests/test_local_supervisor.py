@@ -5,18 +5,10 @@ from __future__ import annotations
 
 import os
 import signal
-import time
-from collections.abc import Callable
 from pathlib import Path
 
+from local_stack.harness import until
 from local_stack.processes import Supervisor
-
-
-def _until(condition: Callable[[], bool], timeout_s: float = 20) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
 
 
 def _crashes_once(tmp_path: Path) -> list[str]:
@@ -39,7 +31,7 @@ def test_a_crash_is_said_and_the_process_restarted(tmp_path: Path) -> None:
     supervisor = Supervisor("envoy", _crashes_once(tmp_path), tmp_path / "log", dict, said.append)
     supervisor.start()
     try:
-        _until(lambda: sum("envoy started" in line for line in said) == 2)
+        until("the restart", lambda: sum("envoy started" in line for line in said) == 2, 20)
         assert any(line.startswith("envoy exited with status 3; restarting in 1s")
                    and str(tmp_path / "log") in line for line in said), said
     finally:
@@ -50,7 +42,7 @@ def test_stop_ends_the_process_and_nothing_restarts_it(tmp_path: Path) -> None:
     said: list[str] = []
     supervisor = Supervisor("envoy", ["sleep", "600"], tmp_path / "log", dict, said.append)
     supervisor.start()
-    _until(lambda: supervisor.signal(0))
+    until("the process", lambda: supervisor.signal(0), 20)
     pid = int(said[0].split("pid ")[1].split(")")[0])
     supervisor.stop(grace_s=5)
     assert not _alive(pid)
@@ -69,9 +61,9 @@ def test_a_planned_exit_restarts_without_a_crash_line(tmp_path: Path) -> None:
     supervisor = _Planned("triton 0", ["sleep", "600"], tmp_path / "log", dict, said.append)
     supervisor.start()
     try:
-        _until(lambda: supervisor.signal(0))
+        until("the process", lambda: supervisor.signal(0), 20)
         assert supervisor.signal(signal.SIGTERM)
-        _until(lambda: sum("started" in line for line in said) == 2)
+        until("the restart", lambda: sum("started" in line for line in said) == 2, 20)
         assert not any("exited" in line for line in said), said
     finally:
         supervisor.stop(grace_s=5)
