@@ -1,4 +1,4 @@
-# sonic-ray: every command the README and CI use.
+# sonic-ray: every command the README, docs/ and CI use.
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
@@ -9,26 +9,27 @@ MANIFEST ?=
 KUBECTLS := $(VENV)/bin/kubectl $(wildcard /usr/bin/kubectl)
 # The Kubernetes version whose schemas the built objects are checked against lives in
 # schema/check.py (DEFAULT_KUBERNETES_VERSION).
-CHECK := env PYTHONPATH=serve:. $(PY) -m schema.check
+CHECK := $(PY) -m schema.check
 
-.PHONY: venv test unit lint local observe bench validate check check-cluster-crd schemas gateway-config observability prometheus lock clean
+.PHONY: venv test unit lint local cluster cluster-tools observe bench validate check check-cluster-crd schemas gateway-config observability generate prometheus lock clean
 
 venv: $(VENV)/.installed
 
-$(VENV)/.installed: requirements.txt
+$(VENV)/.installed: requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps -e .
 	touch $@
 
-test: venv prometheus lint
+test: venv prometheus cluster-tools lint
 	$(PY) -m pytest
 
 # Every test that needs no running stack: seconds, while editing.
-unit: venv
+unit: venv prometheus
 	$(PY) -m pytest -m "not stack" -q
 
 lint: venv
-	$(PY) -m ruff check serve tests schema bench local_stack observability
+	$(PY) -m ruff check serve tests schema gateway tools bench local_stack observability
 	$(PY) -m mypy
 	$(PY) -m yamllint -s .
 
@@ -36,11 +37,11 @@ lint: venv
 # checks each build: invariants, KubeRay's schema, Kubernetes' schemas, the Serve config.
 validate: venv prometheus
 	$(PY) -m yamllint -s .
-	env PYTHONPATH=serve:. $(PY) -m schema.gateway_config --check
-	env PYTHONPATH=serve:. $(PY) -m observability.dashboard --check
+	$(PY) -m gateway.routes --check
+	$(PY) -m observability.dashboard --check
 	promtool check rules observability/alerts.yaml
 	promtool test rules observability/alerts_test.yaml
-	$(VENV)/bin/envoy --mode validate -c gateway/envoy.yaml --log-level warning
+	$(PY) -m gateway.local
 	@mkdir -p build
 	@set -e; for overlay in $(OVERLAYS); do for kubectl in $(KUBECTLS); do \
 	  case $$kubectl in /usr/*) which=system;; *) which=pinned;; esac; \
@@ -70,17 +71,21 @@ check-cluster-crd: venv
 CRD ?= schema/crd/ray.io_rayservices.yaml
 schemas: venv
 	$(PY) -m schema.crd_to_jsonschema $(CRD) --out schema/generated/kuberay-v1.7.0-rayservice.json
-	env PYTHONPATH=serve:. $(PY) -m schema.kustomize_openapi
+	$(PY) -m tools.kustomize_openapi
 
 # Writes the gateway's refused-RPC routes from the RPC table and the Serve config's
 # allowed_admin_rpcs (gateway/envoy.yaml, between its markers).
 gateway-config: venv
-	env PYTHONPATH=serve:. $(PY) -m schema.gateway_config
+	$(PY) -m gateway.routes
 
 # Writes the Grafana dashboard (observability/dashboard.json) and the PrometheusRule of
 # components/prometheus-monitors from their sources in observability/.
 observability: venv
-	env PYTHONPATH=serve:. $(PY) -m observability.dashboard
+	$(PY) -m observability.dashboard
+
+# Every generated, committed file at once: the strict CRD schema and base/openapi.json, the
+# gateway's refused-RPC routes, the dashboard and the PrometheusRule.
+generate: schemas gateway-config observability
 
 # Prometheus and promtool, Debian's package (the tests scrape the local stack with it).
 PROMETHEUS_DEB := prometheus=2.42.0+ds-5+deb12u1
@@ -91,12 +96,27 @@ prometheus:
 # The whole stack on this machine: Tritons, Ray Serve and (DATA_PATH=gateway, the default)
 # Envoy, until Ctrl-C. TRITONS=N simulated pods.
 local: venv
-	env PYTHONPATH=serve:. $(PY) -m local_stack
+	$(PY) -m local_stack
+
+# The gateway path on the cluster's mechanics (needs root): every pod a network namespace with
+# the pod's own ports, a real DNS with the stock Corefile's TTL and cache, a Service IP balanced
+# as kube-proxy does it, pods run and stopped as the kubelet does, from overlays/local as built.
+# GATEWAYS=N gateway pods, DNS_TTL=s, and make local's TRITONS, MODEL_REPOSITORY, SERVE_CONFIG...
+cluster: venv cluster-tools
+	$(PY) -m local_stack.cluster
+
+# Debian's dnsmasq (the cluster DNS) and iptables (the Service IP) for make cluster.
+CLUSTER_DEBS := dnsmasq-base=2.90-4~deb12u2 iptables=1.8.9-2
+cluster-tools:
+	@command -v dnsmasq >/dev/null && command -v iptables-restore >/dev/null || { \
+	  test "$$(id -u)" = 0 || { echo "make cluster needs root (and installs $(CLUSTER_DEBS))"; exit 2; }; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	  --no-install-recommends $(CLUSTER_DEBS); }
 
 # make local with a real Prometheus scraping it (PROMETHEUS_PORT, 9090) and loading the alerts:
 # the dashboard's queries at http://localhost:9090/graph.
 observe: venv prometheus
-	env PYTHONPATH=serve:. OBSERVE=1 $(PY) -m local_stack
+	OBSERVE=1 $(PY) -m local_stack
 
 lock:
 	rm -rf $(VENV).lock && $(PYTHON) -m venv $(VENV).lock
@@ -109,7 +129,7 @@ clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
 
 # Each data path against Triton directly, same run, same client: a table, JSON and a PNG plot
-# in bench-results/. MODES="gateway serve classic haproxy ..." (bench/data_paths.py lists them).
+# in bench-results/. MODES="gateway serve classic ..." (bench/data_paths.py lists them).
 MODES ?= gateway serve
 bench: venv
-	env PYTHONPATH=serve:. $(PY) -m bench.data_paths --modes $(MODES)
+	$(PY) -m bench.data_paths --modes $(MODES)

@@ -50,25 +50,6 @@ SERVE_MODES: dict[str, dict[str, str]] = {
                 "RAY_SERVE_ENABLE_HA_PROXY": "0", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "0"},
     "classic-grpc": {"RAY_SERVE_PROXY_USE_GRPC": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
                      "RAY_SERVE_ENABLE_HA_PROXY": "0", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "0"},
-    "haproxy": {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "0"},
-    # HAProxy's own h2 defaults (16 KiB buffers, 64 KiB windows).
-    "haproxy-throughput-h2-defaults": {
-        "RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
-        "RAY_SERVE_HAPROXY_TUNE_BUFSIZE": "16384", "RAY_SERVE_HAPROXY_H2_MAX_FRAME_SIZE": "16384",
-        "RAY_SERVE_HAPROXY_H2_FE_INITIAL_WINDOW_SIZE": "65535",
-        "RAY_SERVE_HAPROXY_H2_BE_INITIAL_WINDOW_SIZE": "65535"},
-    # The previous opt-in setting: a buffer no larger than the window; stalled with 16 MiB calls.
-    "haproxy-throughput-256k": {
-        "RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
-        "RAY_SERVE_HAPROXY_TUNE_BUFSIZE": "262144", "RAY_SERVE_HAPROXY_H2_MAX_FRAME_SIZE": "262144",
-        "RAY_SERVE_HAPROXY_H2_FE_INITIAL_WINDOW_SIZE": "262144",
-        "RAY_SERVE_HAPROXY_H2_BE_INITIAL_WINDOW_SIZE": "262144"},
-    # components/haproxy-ingress: 1 MiB buffers, 256 KiB h2 windows.
-    "haproxy-throughput-tuned": {
-        "RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
-        "RAY_SERVE_HAPROXY_TUNE_BUFSIZE": "1048576", "RAY_SERVE_HAPROXY_H2_MAX_FRAME_SIZE": "262144",
-        "RAY_SERVE_HAPROXY_H2_FE_INITIAL_WINDOW_SIZE": "262144",
-        "RAY_SERVE_HAPROXY_H2_BE_INITIAL_WINDOW_SIZE": "262144"},
     "direct-throughput": {"RAY_SERVE_ENABLE_HA_PROXY": "0", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"},
 }
 MODES: dict[str, dict[str, str]] = {

@@ -13,7 +13,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,28 +21,18 @@ from typing import Any
 
 import yaml
 
+from local_stack.polling import until
 from local_stack.ports import free_port_range, free_ports
 from local_stack.ray_cluster import application, deploy, deployment_of
 from local_stack.settings import DEFAULT_CONFIG, POD_PORT_STEP, ROOT, Settings
 from local_stack.stack import READY, SAID
 
-EXAMPLE_MODELS = ROOT / "serve" / "models"
+EXAMPLE_MODELS = ROOT / "triton" / "models"
 TEST_MODELS = ROOT / "tests" / "models"
 REPLICA_PORTS = 16  # per stack and protocol: more than any test's replicas
 MAX_PODS = 4  # Triton port blocks reserved per stack
 # The stack's own `ready` line, anchored: a traceback it prints may name `ProxyActor.ready()`.
 READY_LINE = f"^{re.escape(f'{SAID} {READY}')} "
-
-
-def until(what: str, check: Callable[[], object], timeout_s: float,
-          every_s: float = 0.2) -> None:
-    """Polls `check` until it returns True; anything else it returns says why not, and the
-    last such answer is in the TimeoutError."""
-    deadline = time.monotonic() + timeout_s
-    while (detail := check()) is not True:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what} ({detail})")
-        time.sleep(every_s)
 
 
 def stack_ports_env() -> dict[str, str]:
@@ -76,16 +66,16 @@ def merged_model_repository(sources: Iterable[Path]) -> Path:
 
 
 class StackProcess:
-    def __init__(self, env: dict[str, str], wrapper: Sequence[str] = ()) -> None:
+    def __init__(self, env: dict[str, str], wrapper: Sequence[str] = (),
+                 module: str = "local_stack") -> None:
         self.env = env
         self.lines: list[str] = []
         self.finished = False
         self._changed = threading.Condition()
         self.process = subprocess.Popen(
-            [*wrapper, sys.executable, "-m", "local_stack"],
+            [*wrapper, sys.executable, "-m", module],
             cwd=ROOT,
-            env={**os.environ, **env, "PYTHONUNBUFFERED": "1",
-                 "PYTHONPATH": os.pathsep.join((str(ROOT / "serve"), str(ROOT)))},
+            env={**os.environ, **env, "PYTHONUNBUFFERED": "1"},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

@@ -123,9 +123,24 @@ class Supervisor:
         process.send_signal(signum)
         return True
 
-    def stop(self, grace_s: float = 15) -> None:
+    def stop(self, grace_s: float = 15, main_only: bool = False) -> None:
+        """SIGTERM, then SIGKILL to what is left after `grace_s`. `main_only`: SIGTERM to the
+        main process alone, as the kubelet signals a container's first process."""
         self._stopping.set()
         process = self._process
         if process is not None and process.poll() is None:
-            terminate(process, grace_s=grace_s)
-        self._thread.join(timeout=grace_s + 5)
+            if main_only:
+                with contextlib.suppress(ProcessLookupError):
+                    process.send_signal(signal.SIGTERM)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    process.wait(timeout=max(grace_s, 0))
+                kill_session(process.pid)
+                process.wait()
+            else:
+                terminate(process, grace_s=grace_s)
+        self._thread.join(timeout=max(grace_s, 0) + 5)
+
+    @property
+    def pid(self) -> int | None:
+        process = self._process
+        return process.pid if process is not None and process.poll() is None else None

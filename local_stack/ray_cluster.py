@@ -1,6 +1,6 @@
 """Ray on this machine as KubeRay runs it: a head node without the `triton` resource (it runs
 the Serve controller), and one Ray node per simulated pod advertising one `triton` resource,
-whose replica finds its own Triton through the environment (deployment.py)."""
+whose replica finds its own Triton through the environment (serve/triton_pod/pod.py)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ import yaml
 from local_stack.ports import free_ports
 from local_stack.processes import spawn
 from local_stack.settings import SERVE_DIR, Settings
-from triton_forwarder.access import ADMIN_KEY_ENV
-from triton_forwarder.deployment import (
+from triton_pod.access import ADMIN_KEY_ENV
+from triton_pod.pod import (
     TRITON_ADDRESS_ENV,
     TRITON_HTTP_ADDRESS_ENV,
     TRITON_METRICS_URL_ENV,
@@ -27,7 +27,7 @@ from triton_forwarder.deployment import (
 
 RAY_ENV_FILE = SERVE_DIR / "ray-env.env"
 APP = "triton"
-DEPLOYMENT = "TritonForwarder"
+DEPLOYMENT = "TritonPod"
 
 
 def ray_env_defaults() -> dict[str, str]:

@@ -12,7 +12,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SERVE_DIR = ROOT / "serve"
 DEFAULT_CONFIG = SERVE_DIR / "serve-config.yaml"
-DEFAULT_MODELS = SERVE_DIR / "models"
+DEFAULT_MODELS = ROOT / "triton" / "models"
 DATA_PATHS = ("gateway", "serve")
 # Triton i of TRITONS=N listens on each base port + POD_PORT_STEP * i.
 POD_PORT_STEP = 10

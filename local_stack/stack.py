@@ -39,12 +39,14 @@ from typing import Any
 import grpc
 import yaml
 
-from local_stack import gateway, prometheus, ray_cluster, triton
+from gateway import local as gateway
+from gateway.routes import HTTP_CLUSTER
+from local_stack import prometheus, ray_cluster, triton
+from local_stack.polling import until
 from local_stack.processes import Supervisor, set_parent_death_signal, terminate
 from local_stack.settings import Settings
-from schema.gateway_config import HTTP_CLUSTER
-from triton_forwarder.access import ADMIN_KEY_ENV, TokenCheck
-from triton_forwarder.rpcs import SERVICE
+from triton_pod.access import ADMIN_KEY_ENV, TokenCheck
+from triton_pod.rpcs import SERVICE
 
 READY_TIMEOUT_S = 600.0
 
@@ -61,19 +63,14 @@ def say(message: str) -> None:
 
 def _wait(what: str, check: Callable[[], Any], timeout_s: float,
           alive: Callable[[], None]) -> None:
-    deadline = time.monotonic() + timeout_s
-    next_note = time.monotonic() + 10
-    while True:
-        alive()
-        detail = check()
-        if detail is True:
-            return
-        if time.monotonic() > deadline:
-            raise SystemExit(f"timed out after {timeout_s:.0f}s waiting for {what} ({detail})")
-        if time.monotonic() > next_note:
-            say(f"still waiting for {what}: {detail}")
-            next_note = time.monotonic() + 10
-        time.sleep(0.5)
+    def checked() -> Any:
+        alive()  # a process of the stack that died ends the wait at once
+        return check()
+
+    try:
+        until(what, checked, timeout_s, every_s=0.5, note=say)
+    except TimeoutError as error:
+        raise SystemExit(str(error)) from None
 
 
 def server_ready(port: int, metadata: tuple[tuple[str, str], ...] = (),
@@ -91,9 +88,10 @@ def server_ready(port: int, metadata: tuple[tuple[str, str], ...] = (),
         return f"{error.code().name}: {error.details()}"
 
 
-def http_ready(port: int, headers: tuple[tuple[str, str], ...] = ()) -> Any:
+def http_ready(port: int, headers: tuple[tuple[str, str], ...] = (), host: str = "localhost"
+               ) -> Any:
     """True once the HTTP endpoint at `port` answers Triton's readiness with 200, else why not."""
-    request = urllib.request.Request(f"http://localhost:{port}/v2/health/ready",
+    request = urllib.request.Request(f"http://{host}:{port}/v2/health/ready",
                                      headers=dict(headers))
     try:
         with urllib.request.urlopen(request, timeout=2) as response:
@@ -175,7 +173,7 @@ class LocalStack:
         self.settings = settings
         self.workdir = Path(tempfile.mkdtemp(prefix="sonic-ray-"))
         self.dashboard = f"http://127.0.0.1:{settings.dashboard_port}"
-        # Opens Triton's restricted RPCs; only Triton and the forwarder ever see it.
+        # Opens Triton's restricted RPCs; only Triton, the forwarder and Envoy ever see it.
         self.admin_key = os.environ.get(ADMIN_KEY_ENV) or secrets.token_hex(16)
         backends = triton.prepare_backends(self.workdir / "backends")
         self.tritons = [

@@ -14,10 +14,10 @@ from pathlib import Path
 
 from local_stack.processes import Supervisor
 from local_stack.settings import TritonPorts
-from triton_forwarder.access import ADMIN_KEY_NAME
+from triton_pod.access import ADMIN_KEY_NAME
 
 # Triton refuses these RPC groups unless the request carries the admin header with the key:
-# defence in depth behind the data path's own refusals (serve/triton_forwarder/access.py).
+# defence in depth behind the data path's own refusals (serve/triton_pod/access.py).
 RESTRICTED = "model-repository,shared-memory,trace,logging"
 
 
@@ -53,9 +53,14 @@ def prepare_backends(into: Path) -> Path:
     return into
 
 
+def server_binary() -> Path:
+    """The tritonserver that the nvidia-pytriton wheel ships."""
+    return _wheel_root() / "tritonserver" / "bin" / "tritonserver"
+
+
 def command(model_repository: Path, backends: Path, ports: TritonPorts, admin_key: str,
             extra_args: tuple[str, ...] = ()) -> list[str]:
-    binary = _wheel_root() / "tritonserver" / "bin" / "tritonserver"
+    binary = server_binary()
     restricted = f"{RESTRICTED}:{ADMIN_KEY_NAME}={admin_key}"
     return [
         str(binary),
@@ -71,14 +76,16 @@ def command(model_repository: Path, backends: Path, ports: TritonPorts, admin_ke
     ]
 
 
-def environment() -> dict[str, str]:
-    # The stub needs the libcudart bundled with the wheel even on CPU.
+def environment_additions() -> dict[str, str]:
+    """What this machine's Triton needs beyond a container's environment: the stub loads the
+    libcudart bundled with the wheel even on CPU."""
     libs = _wheel_root().parent / "nvidia_pytriton.libs"
-    env = dict(os.environ)
-    env["LD_LIBRARY_PATH"] = os.pathsep.join(
-        part for part in (str(libs), env.get("LD_LIBRARY_PATH", "")) if part
-    )
-    return env
+    return {"LD_LIBRARY_PATH": os.pathsep.join(
+        part for part in (str(libs), os.environ.get("LD_LIBRARY_PATH", "")) if part)}
+
+
+def environment() -> dict[str, str]:
+    return {**os.environ, **environment_additions()}
 
 
 class TritonSupervisor(Supervisor):

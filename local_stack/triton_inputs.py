@@ -15,5 +15,5 @@ def tensor(name: str, data: npt.NDArray[Any], datatype: str) -> tc.InferInput:
 
 
 def simple_inputs(a: npt.NDArray[Any], b: npt.NDArray[Any]) -> list[tc.InferInput]:
-    """The example model `simple` (serve/models): OUTPUT0 = a + b, OUTPUT1 = a - b, INT32."""
+    """The example model `simple` (triton/models): OUTPUT0 = a + b, OUTPUT1 = a - b, INT32."""
     return [tensor("INPUT0", a, "INT32"), tensor("INPUT1", b, "INT32")]

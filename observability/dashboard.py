@@ -21,8 +21,8 @@ from grafana_foundation_sdk.builders import timeseries as gt
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models.dashboard import DataSourceRef, VariableRefresh
 
-from schema import write_or_check
-from schema.gateway_config import GRPC_CLUSTER, HTTP_CLUSTER
+from gateway.routes import GRPC_CLUSTER, HTTP_CLUSTER
+from tools.generated import write_or_check
 
 HERE = Path(__file__).resolve().parent
 DASHBOARD_JSON = HERE / "dashboard.json"
@@ -33,7 +33,7 @@ DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
 # Grafana's template variables as the panels use them; the tests substitute these.
 TRITON = 'model=~"$model", instance=~"$pod"'
 RATE = "[$__rate_interval]"
-FORWARDER = 'deployment="TritonForwarder"'
+FORWARDER = 'deployment="TritonPod"'
 TRITON_CLUSTERS = f'envoy_cluster_name=~"{GRPC_CLUSTER}|{HTTP_CLUSTER}"'
 
 

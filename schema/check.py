@@ -77,11 +77,12 @@ def invariant_violations(obj: dict[str, Any],
         message = f"{label} is {json.dumps(error.instance)}"
         if error.validator == "minItems" and error.instance == []:
             message = f"{label}: none"
-        if rule.get("title") == "model-repository-mounted":
-            repository = facts.values["modelRepositories"][error.absolute_path[1]]["path"]
-            message = f"{repository} lies under no volume mounted into the Triton container"
-        if rule.get("title") == "no-flux-substitution":
-            message = f"{label} holds ${{...}}: {json.dumps(error.instance)[:120]}"
+        if "x-message" in rule:
+            # The rule's own wording (schema/invariants.schema.json), with the failing value
+            # and the fact around it.
+            parent = _at(facts.values, list(error.absolute_path)[:-1])
+            message = rule["x-message"].format(label=label, instance=json.dumps(error.instance),
+                                               parent=parent if isinstance(parent, dict) else {})
         if error.validator == "uniqueItems":
             clashes = {str(p): facts.port_owners.get(str(p), []) for p in error.instance
                        if error.instance.count(p) > 1}
@@ -89,6 +90,12 @@ def invariant_violations(obj: dict[str, Any],
                                 for p, o in clashes.items())
         yield (f"{rule.get('title', 'invariant')}: {_name(obj)} {source}: {message} "
                f"- {rule.get('description', '')}")
+
+
+def _at(values: Any, path: list[Any]) -> Any:
+    for key in path:
+        values = values[key]
+    return values
 
 
 def _prefixes(pointer: str) -> list[str]:

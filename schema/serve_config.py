@@ -14,7 +14,7 @@ from pydantic import BaseModel, ValidationError
 from ray.serve.config import AutoscalingConfig
 from ray.serve.schema import DeploymentSchema, ServeDeploySchema
 
-from triton_forwarder import APP_IMPORT_PATH as FORWARDER_IMPORT_PATH
+from triton_pod import APP_IMPORT_PATH as FORWARDER_IMPORT_PATH
 
 # Fields typed loosely in Ray's schema, with the model Serve really parses them into.
 _LOOSE_FIELDS: dict[tuple[type[BaseModel], str], type[BaseModel]] = {
@@ -86,9 +86,9 @@ def check_serve_config(config: Any, where: str = "serveConfigV2") -> list[str]:
                 problems += _validation_problems(AutoscalingConfig, auto, auto_path)
                 problems += _policy_problems(auto.get("policy"), f"{auto_path}.policy")
         if app.get("import_path") == FORWARDER_IMPORT_PATH:
-            from triton_forwarder.deployment import ForwarderArgs
+            from triton_pod.pod import TritonPodArgs
 
-            problems += _validation_problems(ForwarderArgs, app.get("args") or {},
+            problems += _validation_problems(TritonPodArgs, app.get("args") or {},
                                              f"{app_path}.args")
     return problems
 

@@ -1,68 +1,27 @@
-"""One real stack per data path and test session (Triton from the nvidia-pytriton wheel, Ray
-Serve, and Envoy on the gateway path), on ports of its own so that a running `make local` is
-left alone. Tests that take `stack` run against both data paths."""
+"""The marker set by folder: tests/stack/ and tests/cluster/ start real stacks (make unit leaves
+them out);
+disruptive tests (they kill part of a shared stack) run after the others."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from local_stack.harness import RunningStack, StackProcess, processes_left_behind, running_stack
-from triton_forwarder.access import ADMIN_HEADER
-
-MESSAGE_LIMIT = 300 << 20
-ADMIN_KEY = "test-admin-key"
-ADMIN_METADATA = ((ADMIN_HEADER, ADMIN_KEY),)
-DATA_PATHS = ["gateway", "serve"]
-
-
-@dataclass
-class Stack:
-    data_path: str
-    process: StackProcess
-    running: RunningStack
-    url: str  # the clients' endpoint: Envoy, or Serve's gRPC proxy
-    triton_url: str
-    model_repository: Path
-    http_url: str  # the clients' HTTP endpoint: Envoy, or Serve's HTTP proxy
-    triton_http_url: str
+HERE = Path(__file__).resolve().parent
+# Folders whose tests start stacks (make local's, or make cluster's).
+STACK_FOLDERS = (HERE / "stack", HERE / "cluster")
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "disruptive: kills part of the shared stack; runs after the other tests"
     )
-    config.addinivalue_line("markers", "stack: starts a real stack (make unit skips these)")
+    config.addinivalue_line("markers", "stack: needs a running stack (the tests in tests/stack/)")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        if "stack" in getattr(item, "fixturenames", ()) or item.get_closest_marker("disruptive"):
+        if any(folder in item.path.parents for folder in STACK_FOLDERS):
             item.add_marker(pytest.mark.stack)
     items.sort(key=lambda item: item.get_closest_marker("disruptive") is not None)
-
-
-@pytest.fixture(scope="session", params=DATA_PATHS)
-def stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
-    data_path: str = request.param
-    with running_stack({
-        "DATA_PATH": data_path,
-        "TRITON_ARGS": "--grpc-header-forward-pattern=x-sonic-.*",
-        # A size limit that a test can exceed without sending 2 GiB (see test_faults.py).
-        "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE": str(MESSAGE_LIMIT),
-        "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(MESSAGE_LIMIT),
-        # Known to the tests, to call Triton's restricted RPCs directly for comparison.
-        "SONIC_RAY_ADMIN_KEY": ADMIN_KEY,
-        # A real Prometheus scraping the stack (tests/test_observability.py).
-        "OBSERVE": "1",
-    }) as running:
-        yield Stack(data_path, running.process, running, running.url("GRPC_PORT"),
-                    running.url("TRITON_GRPC_PORT"), running.model_repository,
-                    running.url("HTTP_PORT"), running.url("TRITON_HTTP_PORT"))
-    code = running.process.process.returncode
-    assert code == 0, f"the local stack exited with {code} on SIGTERM"
-    left = processes_left_behind(running.process)
-    assert not left, f"processes left behind after SIGTERM: {left}"

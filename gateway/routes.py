@@ -1,0 +1,148 @@
+"""The gateway's Envoy config (gateway/envoy.yaml) and what it must agree with.
+
+Its refused-RPC routes are written from the one allow-list, `allowed_admin_rpcs` in the Serve
+config's args, and the RPC table (serve/triton_pod/rpcs.py): `make gateway-config`
+rewrites the block between the markers, and the checks refuse a config whose routes differ,
+so both data paths refuse the same calls with the same words.
+
+    python -m gateway.routes [--check]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tools.generated import write_or_check
+from triton_pod.access import ADMIN_HEADER, ADMIN_KEY_ENV, HTTP_ADMIN_HEADER
+from triton_pod.rpcs import HTTP_RESTRICTED, RPCS, refusal_message
+
+ROOT = Path(__file__).resolve().parent.parent
+ENVOY_CONFIG = ROOT / "gateway" / "envoy.yaml"
+SERVE_CONFIG = ROOT / "serve" / "serve-config.yaml"
+# The generated blocks: the gRPC listener's routes, then the HTTP listener's.
+GRPC_BLOCK = "refused-rpcs"
+HTTP_BLOCK = "refused-http"
+# The listeners and the Triton clusters they route to.
+GRPC_LISTENER, GRPC_CLUSTER = "triton-grpc", "triton"
+HTTP_LISTENER, HTTP_CLUSTER = "triton-http", "triton-http"
+# grpc-status 7, PERMISSION_DENIED: what Envoy answers a gRPC call for HTTP 403.
+REFUSAL_STATUS = 403
+
+
+def allowed_admin_rpcs(serve_config: dict[str, Any]) -> list[str]:
+    for app in serve_config.get("applications") or []:
+        allowed = (app.get("args") or {}).get("allowed_admin_rpcs")
+        if allowed is not None:
+            return list(allowed)
+    return []
+
+
+def _refused(match: dict[str, Any], message: str) -> dict[str, Any]:
+    return {"match": match, "direct_response": {"status": REFUSAL_STATUS,
+                                                "body": {"inline_string": message}}}
+
+
+def _with_admin_key(match: dict[str, Any], route: dict[str, Any], header: str) -> dict[str, Any]:
+    # The key comes from the gateway's own environment, never from the client.
+    return {"match": match, "route": route, "request_headers_to_add": [
+        {"header": {"key": header, "value": f"%ENVIRONMENT({ADMIN_KEY_ENV})%"}}]}
+
+
+def refused_routes(allowed: list[str]) -> list[dict[str, Any]]:
+    """A refusal for each refused RPC not allowed; the admin key on each RPC of Triton's
+    restricted groups that passes."""
+    route = {"cluster": GRPC_CLUSTER, "timeout": "0s",
+             "max_stream_duration": {"grpc_timeout_header_max": "0s"}}
+    return [_refused({"path": rpc.path}, refusal_message(rpc))
+            if rpc.refused(allowed)
+            else _with_admin_key({"path": rpc.path}, route, ADMIN_HEADER)
+            for rpc in RPCS if rpc.restricted or rpc.refused(allowed)]
+
+
+def refused_http_routes(allowed: list[str]) -> list[dict[str, Any]]:
+    """The same for Triton's HTTP API: the listener's local_reply_config turns a refusal's text
+    into Triton's error shape, {"error": "..."}."""
+    route = {"cluster": HTTP_CLUSTER, "timeout": "0s"}
+    return [_refused({"safe_regex": {"regex": rpc.http_path}}, refusal_message(rpc))
+            if rpc.refused(allowed)
+            else _with_admin_key({"safe_regex": {"regex": rpc.http_path}}, route,
+                                 HTTP_ADMIN_HEADER)
+            for rpc in HTTP_RESTRICTED]
+
+
+def _render_block(lines: list[str], block: str, routes: list[dict[str, Any]]) -> list[str]:
+    begin = next(i for i, line in enumerate(lines) if f"# BEGIN {block}" in line)
+    end = next(i for i, line in enumerate(lines) if f"# END {block}" in line)
+    indent = lines[end][: len(lines[end]) - len(lines[end].lstrip())]
+    # One flow-style line per route: JSON is YAML, and the messages stay greppable.
+    written = [f"{indent}- {json.dumps(route)}\n" for route in routes]
+    header_end = begin
+    while header_end + 1 < end and lines[header_end + 1].lstrip().startswith("#"):
+        header_end += 1
+    return lines[: header_end + 1] + written + lines[end:]
+
+
+def render(text: str, allowed: list[str]) -> str:
+    """The config text with the blocks between the markers written from the allow-list."""
+    lines = text.splitlines(keepends=True)
+    lines = _render_block(lines, GRPC_BLOCK, refused_routes(allowed))
+    lines = _render_block(lines, HTTP_BLOCK, refused_http_routes(allowed))
+    return "".join(lines)
+
+
+def named(envoy: dict[str, Any], kind: str, name: str) -> dict[str, Any]:
+    """The listener or cluster (`kind`: listeners, clusters) of that name; {} when absent."""
+    items = (envoy.get("static_resources") or {}).get(kind) or []
+    found: dict[str, Any] = next((i for i in items if i.get("name") == name), {})
+    return found
+
+
+def listener_routes(envoy: dict[str, Any], name: str) -> list[dict[str, Any]]:
+    listener = named(envoy, "listeners", name)
+    if not listener:
+        return []
+    manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    routes: list[dict[str, Any]] = manager["route_config"]["virtual_hosts"][0]["routes"]
+    return routes
+
+
+def _match_key(route: dict[str, Any]) -> str:
+    match = route.get("match", {})
+    return str(match.get("path") or (match.get("safe_regex") or {}).get("regex"))
+
+
+def refusal_problems(envoy: dict[str, Any], serve_config: dict[str, Any]) -> list[str]:
+    """How the config's refused routes differ from what the allow-list asks for."""
+    allowed = allowed_admin_rpcs(serve_config)
+    problems = []
+    for listener, wanted_routes in ((GRPC_LISTENER, refused_routes(allowed)),
+                                    (HTTP_LISTENER, refused_http_routes(allowed))):
+        wanted = {_match_key(r): r for r in wanted_routes if "direct_response" in r}
+        present = {_match_key(r): r for r in listener_routes(envoy, listener)
+                   if "direct_response" in r}
+        for path in sorted(set(wanted) - set(present)):
+            problems.append(f"listener {listener}: {path} is not refused, but "
+                            "allowed_admin_rpcs does not allow it")
+        for path in sorted(set(present) - set(wanted)):
+            problems.append(f"listener {listener}: {path} is refused, but "
+                            "allowed_admin_rpcs allows it")
+        for path in sorted(set(wanted) & set(present)):
+            if present[path] != wanted[path]:
+                problems.append(f"listener {listener}: {path} is refused with another status "
+                                "or message than serve/triton_pod/rpcs.py gives")
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    text = ENVOY_CONFIG.read_text()
+    rendered = render(text, allowed_admin_rpcs(yaml.safe_load(SERVE_CONFIG.read_text())))
+    return write_or_check(ENVOY_CONFIG, rendered, argv, __doc__, "make gateway-config")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""make cluster: the gateway path on the cluster's mechanics (local_stack/cluster/stack.py)."""

@@ -1,0 +1,470 @@
+"""`make cluster`: the gateway path on the cluster's mechanics, on this machine (root).
+
+Pods are network namespaces on one bridge (network.py), each with its own address and the
+pod's real ports; the Ray head, every GPU pod (its Triton and its Ray node, whose Serve
+replica reaches Triton at localhost:8001 as serve/serve-config.yaml says) and every gateway
+pod (Envoy with gateway/envoy.yaml as built, byte for byte, at /etc/envoy) in one of their own.
+The gateway resolves `triton-pods` through a real DNS with the stock Corefile's caching
+(dns.py); clients reach the gateway pods through a Service IP balanced per connection as
+kube-proxy does it (service.py). Pods start, probe, stop and are replaced as the kubelet, the
+Deployment and the Ray autoscaler do it, from the built overlays/local (manifests.py, pods.py).
+
+Contract (tests and operators use it): once ServerReady answers through the Service IP, one
+line `[cluster] ready: grpc <ip>:8001 http <ip>:8000 pods <dir>`; pods are named triton-<i>
+and gateway-<i>; `touch <dir>/<pod>/delete` does what `kubectl delete pod` does, and the
+pod's owner replaces it; `touch <dir>/<pod>/cut` takes the pod's node off the network
+(nothing answers, nothing resets). Variables as for `make local` (TRITONS, MODEL_REPOSITORY,
+SERVE_CONFIG, TRITON_ARGS, SONIC_RAY_AUTH_TOKENS_FILE, SONIC_RAY_ADMIN_KEY, RAY_AUTH_TOKEN),
+plus GATEWAYS (the gateway Deployment's replicas; default: the build's) and DNS_TTL (the
+cluster DNS's TTL and cache; default: the build's sonic-ray.io/cluster-dns-ttl-seconds).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import resource
+import secrets
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from local_stack import ray_cluster, triton
+from local_stack.cluster import dns, manifests, network, service
+from local_stack.cluster.pods import ContainerSpec, Pod
+from local_stack.polling import until
+from local_stack.processes import set_parent_death_signal
+from local_stack.settings import DEFAULT_MODELS, SERVE_DIR
+from local_stack.stack import http_ready, server_ready
+from triton_pod.access import ADMIN_KEY_ENV, TOKENS_FILE_ENV
+
+SAID = "[cluster]"
+READY = "ready:"
+SERVICE_IP = str(network.SERVICE_SUBNET[10])
+READY_TIMEOUT_S = 900.0
+# Where the RayService mounts the code ConfigMap in the Ray containers (base/rayservice.yaml):
+# here the same package from the checkout.
+CODE_MOUNT = "/opt/sonic-ray"
+HEAD = "ray-head"
+# Ray's GCS port on the head (the head's gcs-server container port).
+GCS_PORT = 6379
+
+
+def say(message: str) -> None:
+    print(f"{SAID} {message}", flush=True)
+
+
+def _int_env(env: Mapping[str, str], name: str, default: int, low: int, high: int) -> int:
+    raw = env.get(name, "")
+    try:
+        value = int(raw) if raw else default
+    except ValueError:
+        raise SystemExit(f"{name}={raw!r} is not a whole number") from None
+    if not low <= value <= high:
+        raise SystemExit(f"{name}={value}: between {low} and {high}")
+    return value
+
+
+@dataclass(frozen=True)
+class ClusterSettings:
+    tritons: int
+    gateways: int
+    dns_ttl_s: int
+    model_repository: Path | None
+    serve_config: dict[str, Any]
+    triton_args: tuple[str, ...]
+    tokens_file: str | None
+    admin_key: str
+    ray_token: str
+
+    @classmethod
+    def from_env(cls, built: manifests.Built, env: Mapping[str, str] = os.environ
+                 ) -> ClusterSettings:
+        if env.get("DATA_PATH", "gateway") != "gateway":
+            raise SystemExit("make cluster runs the gateway path; DATA_PATH=serve is make local's")
+        repo = env.get("MODEL_REPOSITORY")
+        if repo and not Path(repo).is_dir():
+            raise SystemExit(f"MODEL_REPOSITORY={repo} is not a directory")
+        config = built.serve_config
+        if env.get("SERVE_CONFIG"):
+            path = Path(env["SERVE_CONFIG"])
+            if not path.is_file():
+                raise SystemExit(f"SERVE_CONFIG={path} is not a file")
+            import yaml
+
+            config = yaml.safe_load(path.read_text())
+        tokens = env.get(TOKENS_FILE_ENV) or None
+        if tokens and not Path(tokens).is_file():
+            raise SystemExit(f"{TOKENS_FILE_ENV}={tokens} is not a file")
+        import shlex
+
+        return cls(
+            tritons=_int_env(env, "TRITONS", 1, 0, built.worker_max_replicas),
+            gateways=_int_env(env, "GATEWAYS", built.gateway_replicas, 1, 8),
+            dns_ttl_s=_int_env(env, "DNS_TTL", built.dns_ttl_s, 0, 3600),
+            model_repository=Path(repo).resolve() if repo else None,
+            serve_config=config,
+            triton_args=tuple(shlex.split(env.get("TRITON_ARGS", ""))),
+            tokens_file=str(Path(tokens).resolve()) if tokens else None,
+            admin_key=env.get(ADMIN_KEY_ENV) or secrets.token_hex(16),
+            ray_token=env.get("RAY_AUTH_TOKEN") or secrets.token_hex(32),
+        )
+
+
+def _expand(value: str, env: Mapping[str, str]) -> str:
+    """Kubernetes' $(VAR) in a container's command and args."""
+    return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m.group(1), m.group(0)),
+                  value)
+
+
+class ClusterStack:
+    def __init__(self, built: manifests.Built, settings: ClusterSettings) -> None:
+        self.built = built
+        self.settings = settings
+        self.workdir = Path(tempfile.mkdtemp(prefix="sonic-ray-cluster-"))
+        self.pods_dir = self.workdir / "pods"
+        self.pods_dir.mkdir()
+        self.network = network.Network()
+        self.dns = dns.ClusterDns(self.workdir, str(network.BRIDGE_IP), built.namespace,
+                                  settings.dns_ttl_s)
+        client_ports = built.services["triton-grpc"]
+        self.service = service.ServiceIp(SERVICE_IP, client_ports)
+        self.pods: dict[str, Pod] = {}
+        self._counters = {"triton": 0, "gateway": 0}
+        self._lock = threading.RLock()
+        self._backends = triton.prepare_backends(self.workdir / "backends")
+        self._envoy_dir = self.workdir / "envoy"
+        self._envoy_dir.mkdir()
+        for name, text in built.envoy_files.items():
+            (self._envoy_dir / name).write_text(text)
+        self._made_etc_envoy = False
+        self.head: Pod | None = None
+        self.dashboard = ""
+        self._idle_since: dict[str, float] = {}
+
+    # --- the pods
+
+    def _base_env(self) -> dict[str, str]:
+        return {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"),
+                "LANG": "C.UTF-8"}
+
+    def _container_env(self, container: manifests.Container) -> dict[str, str]:
+        env = self._base_env()
+        for name, value in container.env.items():
+            if isinstance(value, dict):  # valueFrom: the Secrets a site creates
+                key = (value.get("secretKeyRef") or {}).get("name")
+                if key != "triton-admin-key":
+                    raise SystemExit(f"{container.name}: env {name} from {value}: only the "
+                                     "triton-admin-key Secret exists here")
+                env[name] = self.settings.admin_key
+            else:
+                env[name] = str(value)
+        return env
+
+    def _ray_env(self, container: manifests.Container) -> dict[str, str]:
+        env = {**self._container_env(container), **self.built.ray_env}
+        env["PYTHONPATH"] = env.get("PYTHONPATH", "").replace(CODE_MOUNT, str(SERVE_DIR))
+        # What KubeRay's authOptions gives every Ray container.
+        env |= {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.settings.ray_token,
+                "RAY_USAGE_STATS_ENABLED": "0"}
+        return env
+
+    def _ray_start(self, params: dict[str, str], head: bool, ip: str) -> list[str]:
+        """`ray start` as KubeRay builds it from rayStartParams."""
+        ray = Path(sys.executable).with_name("ray")
+        cmd = [str(ray), "start", "--block", "--disable-usage-stats", f"--node-ip-address={ip}",
+               # A small object store: every node of this machine shares its memory.
+               "--object-store-memory=300000000"]
+        if head:
+            cmd += ["--head", f"--port={GCS_PORT}", f"--temp-dir={self.workdir / 'ray'}"]
+        else:
+            assert self.head is not None
+            cmd += [f"--address={self.head.ip}:{GCS_PORT}", "--num-cpus=1",
+                    f"--resources={json.dumps({'triton': 1})}"]
+        cmd += [f"--{key}={value}" for key, value in params.items()]
+        return cmd
+
+    def _new_pod(self, kind: str) -> Pod:
+        with self._lock:
+            name = f"{kind}-{self._counters[kind]}"
+            self._counters[kind] += 1
+        etc = {"envoy": self._envoy_dir} if kind == "gateway" else None
+        net = self.network.add_pod(name, dns.resolv_conf(str(network.BRIDGE_IP),
+                                                         self.built.namespace), etc)
+        containers = (self._gateway_containers() if kind == "gateway"
+                      else self._triton_containers(net.ip))
+        template = self.built.gateway if kind == "gateway" else self.built.worker
+        pod = Pod(name, net, containers, template.grace_s, self.workdir, say, self.reconcile)
+        with self._lock:
+            self.pods[name] = pod
+        pod.start()
+        say(f"{name}: created at {net.ip} (namespace {net.namespace})")
+        return pod
+
+    def _triton_containers(self, ip: str) -> list[ContainerSpec]:
+        worker = self.built.worker
+        ray = worker.containers["ray-worker"]
+        tri = worker.containers["triton"]
+        triton_env = {**self._container_env(tri), **triton.environment_additions()}
+        argv = [_expand(a, triton_env) for a in tri.command]
+        binary = str(triton.server_binary())
+        argv = [binary if a == "tritonserver" else a for a in argv]
+        repository = self.settings.model_repository or DEFAULT_MODELS
+        keep = []
+        for arg in argv:
+            if arg.startswith("--model-repository="):
+                arg = f"--model-repository={repository}"
+            elif self.settings.model_repository and arg.startswith(
+                    ("--model-control-mode=", "--load-model=")):
+                continue  # MODEL_REPOSITORY: every model in it, as make local loads them
+            keep.append(arg)
+        argv = [*keep, f"--backend-directory={self._backends}", *self.settings.triton_args]
+        return [
+            ContainerSpec("ray-worker", self._ray_start(worker.ray_start_params, False, ip),
+                          self._ray_env(ray), manifests.WORKER_READINESS, None, None),
+            ContainerSpec("triton", argv, triton_env, tri.readiness, tri.startup, tri.prestop),
+        ]
+
+    def _gateway_containers(self) -> list[ContainerSpec]:
+        envoy = self.built.gateway.containers["envoy"]
+        env = self._container_env(envoy)
+        if self.settings.tokens_file:
+            env[TOKENS_FILE_ENV] = self.settings.tokens_file
+        binary = str(Path(sys.executable).with_name("envoy"))
+        return [ContainerSpec("envoy", [binary, *envoy.command], env, envoy.readiness,
+                              envoy.startup, envoy.prestop)]
+
+    # --- controllers
+
+    def reconcile(self) -> None:
+        """The endpoints controller, CoreDNS's records and kube-proxy's rules in one: ready,
+        non-terminating pods of each kind, published."""
+        with self._lock:
+            tritons = [p.ip for n, p in self.pods.items() if n.startswith("triton-") and p.ready]
+            gateways = [p.ip for n, p in self.pods.items() if n.startswith("gateway-")
+                        and p.ready]
+        self.dns.publish("triton-pods", tritons)
+        if gateways != self.service.endpoints:
+            self.service.set_endpoints(gateways)
+            say(f"service {SERVICE_IP}: endpoints {sorted(gateways)}")
+
+    def _live(self, kind: str) -> list[Pod]:
+        with self._lock:
+            return [p for n, p in self.pods.items() if n.startswith(f"{kind}-")
+                    and not p.terminating]
+
+    def _delete(self, pod: Pod) -> None:
+        def run() -> None:
+            pod.delete()
+            with self._lock:
+                self.pods.pop(pod.name, None)
+            self.network.remove_pod(pod.name)
+            shutil.rmtree(pod.dir, ignore_errors=True)
+
+        threading.Thread(target=run, name=f"delete {pod.name}", daemon=True).start()
+
+    def _control_files(self) -> None:
+        with self._lock:
+            pods = list(self.pods.values())
+        for pod in pods:
+            if pod.terminating:
+                continue
+            if (pod.dir / "delete").exists():
+                (pod.dir / "delete").unlink()
+                self._delete(pod)
+            if (pod.dir / "cut").exists():
+                (pod.dir / "cut").unlink()
+                say(f"{pod.name}: its node is off the network")
+                self.network.cut(pod.name)
+
+    def _gateway_owner(self) -> None:
+        """The Deployment: as many gateway pods not terminating as its replicas."""
+        for _ in range(self.settings.gateways - len(self._live("gateway"))):
+            self._new_pod("gateway")
+
+    def _triton_owner(self) -> None:
+        """Serve and the Ray autoscaler: a GPU pod for every replica Serve wants that has no
+        pod, up to the group's maxReplicas; a pod with no replica for idleTimeoutSeconds goes."""
+        try:
+            app = ray_cluster.application(self.dashboard, self.settings.ray_token)
+        except (urllib.error.URLError, OSError, ValueError):
+            return
+        deployment = ray_cluster.deployment_of(app)
+        if not deployment:
+            return
+        wanted = min(int(deployment.get("target_num_replicas", 0)),
+                     self.built.worker_max_replicas)
+        live = self._live("triton")
+        for _ in range(wanted - len(live)):
+            self._new_pod("triton")
+        holding = {r.get("node_ip") for r in deployment.get("replicas", [])}
+        now = time.monotonic()
+        for pod in live:
+            if pod.ip in holding or now - pod.created_at < self.built.idle_timeout_s:
+                self._idle_since.pop(pod.name, None)
+                continue
+            since = self._idle_since.setdefault(pod.name, now)
+            if now - since >= self.built.idle_timeout_s and len(self._live("triton")) > wanted:
+                say(f"{pod.name}: idle for {self.built.idle_timeout_s:.0f}s; the autoscaler "
+                    "removes it")
+                self._delete(pod)
+
+    def _loop(self, stop: threading.Event) -> None:
+        next_owner = 0.0
+        while not stop.wait(0.2):
+            problem = self.dns.alive()
+            if problem:
+                raise SystemExit(problem)
+            self._control_files()
+            self.reconcile()
+            if time.monotonic() >= next_owner:
+                next_owner = time.monotonic() + 1.0
+                self._gateway_owner()
+                self._triton_owner()
+
+    # --- start and stop
+
+    def start(self, stop: threading.Event) -> None:
+        s = self.settings
+        say(f"{s.tritons} GPU pod(s), {s.gateways} gateway pod(s), DNS TTL {s.dns_ttl_s}s; "
+            f"work directory {self.workdir}")
+        self.network.start()
+        if not Path("/etc/envoy").exists():
+            # The mount point of the gateway pods' /etc/envoy (ip netns exec binds it).
+            Path("/etc/envoy").mkdir()
+            self._made_etc_envoy = True
+        self.dns.start()
+        self.service.start()
+        head = self.built.head.containers["ray-head"]
+        net = self.network.add_pod(HEAD, dns.resolv_conf(str(network.BRIDGE_IP),
+                                                         self.built.namespace))
+        params = {**self.built.head.ray_start_params}
+        self.head = Pod(HEAD, net, [ContainerSpec(
+            "ray-head", self._ray_start(params, True, net.ip), self._ray_env(head), None, None,
+            None)], self.built.head.grace_s, self.workdir, say, lambda: None)
+        self.head.start()
+        self.dashboard = f"http://{net.ip}:8265"
+        say(f"{HEAD}: Ray head at {net.ip} (dashboard {self.dashboard})")
+
+        def dashboard_up() -> object:
+            try:
+                ray_cluster.http("GET", f"{self.dashboard}/api/version", s.ray_token)
+                return True
+            except (urllib.error.URLError, OSError) as error:
+                return str(error)
+
+        until("the Ray head", dashboard_up, 240, every_s=0.5, note=say)
+        for _ in range(s.tritons):
+            self._new_pod("triton")
+        say("deploying the Serve config")
+        ray_cluster.http("PUT", f"{self.dashboard}/api/serve/applications/", s.ray_token,
+                         s.serve_config, timeout_s=180)
+        for _ in range(s.gateways):
+            self._new_pod("gateway")
+        loop = threading.Thread(target=self._guarded_loop, args=(stop,), daemon=True)
+        loop.start()
+        self._wait_ready(stop)
+
+    def _guarded_loop(self, stop: threading.Event) -> None:
+        try:
+            self._loop(stop)
+        except BaseException as error:
+            say(f"error: {error}")
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def _wait_ready(self, stop: threading.Event) -> None:
+        metadata: tuple[tuple[str, str], ...] = ()
+        if self.settings.tokens_file:
+            token = next(line.strip() for line in Path(self.settings.tokens_file).read_text()
+                         .splitlines() if line.strip() and not line.startswith("#"))
+            metadata = (("authorization", f"Bearer {token}"),)
+        channel = grpc.insecure_channel(f"{SERVICE_IP}:8001")
+
+        def through_the_service() -> object:
+            if stop.is_set():
+                raise SystemExit("stopped while starting")
+            answer = server_ready(8001, metadata, channel)
+            if answer is True:
+                answer = http_ready(8000, metadata, host=SERVICE_IP)
+            return answer
+
+        try:
+            until("ServerReady through the Service IP", through_the_service, READY_TIMEOUT_S,
+                  every_s=0.5, note=say)
+        finally:
+            channel.close()
+        say(f"{READY} grpc {SERVICE_IP}:8001 http {SERVICE_IP}:8000 pods {self.pods_dir}")
+
+    def stop(self) -> None:
+        if not self.network.owned:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            return
+        say("stopping")
+        with self._lock:
+            pods = list(self.pods.values())
+        threads = [threading.Thread(target=p.kill, daemon=True) for p in pods]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=30)
+        if self.head is not None:
+            self.head.kill()
+        self.dns.stop()
+        self.service.stop()
+        self.network.stop()
+        if self._made_etc_envoy:
+            with contextlib.suppress(OSError):
+                Path("/etc/envoy").rmdir()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+        say("stopped")
+
+
+def main() -> int:
+    set_parent_death_signal()
+    network.require_root()
+    # A container's open-file limit (containerd's default), for the pods' processes: a gateway
+    # pod holds thousands of client connections.
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    built = manifests.read(manifests.build())
+    settings = ClusterSettings.from_env(built)
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        if stop.is_set():
+            return
+        stop.set()
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    stack = ClusterStack(built, settings)
+    try:
+        stack.start(stop)
+        while not stop.wait(1.0):
+            pass
+        return 0
+    except KeyboardInterrupt:
+        return 0
+    except (SystemExit, network.NetworkError, TimeoutError) as error:
+        code = error.code if isinstance(error, SystemExit) else str(error)
+        if code not in (None, 0):
+            say(f"error: {code}")
+        return 1
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        stack.stop()
+

@@ -1,0 +1,172 @@
+"""The Serve deployment, one replica per Triton pod: the control plane of both data paths.
+
+Each replica holds its pod's `triton` resource, becomes ready only once its Triton answers
+ServerReady, fails its health check when Triton does not answer ServerLive, and reports its
+Triton's queue time to Serve's autoscaler (autoscaling.py turns that into replicas, the Ray
+autoscaler into GPU pods). On the gateway path (the default) Envoy carries the calls and the
+replica only steers; on the Serve path it also forwards each call to its pod's Triton
+(grpc_forwarding.py, and http_forwarding.py for Triton's HTTP/REST API)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from typing import Any
+
+import grpc
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from ray import serve
+from starlette.requests import Request
+from starlette.responses import Response
+
+from .access import TokenCheck, admin_key
+from .grpc_forwarding import MAX_MESSAGE_BYTES, GrpcForwarding, install_rpc_methods
+from .http_forwarding import HttpForwarder
+from .rpcs import BY_NAME, REFUSABLE, RPCS
+from .triton_metrics import QUEUE_METRIC, QueueTime, scrape
+
+logger = logging.getLogger("ray.serve")
+
+# Set only by `make local`, whose simulated pods share one host: each Ray node's replica talks
+# to its own Triton, as a pod's does on localhost.
+TRITON_ADDRESS_ENV = "SONIC_RAY_TRITON_ADDRESS"
+TRITON_HTTP_ADDRESS_ENV = "SONIC_RAY_TRITON_HTTP_ADDRESS"
+TRITON_METRICS_URL_ENV = "SONIC_RAY_TRITON_METRICS_URL"
+
+
+class TritonPodArgs(BaseModel):
+    """The application's `args` in the Serve config; unknown keys are refused."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    triton_address: str = Field(
+        "localhost:8001", description="host:port of the Triton gRPC endpoint in this pod"
+    )
+    triton_http_address: str = Field(
+        "localhost:8100",
+        description="host:port of the Triton HTTP endpoint in this pod (Serve path's HTTP)",
+    )
+    triton_metrics_url: str = Field(
+        "http://localhost:8002/metrics",
+        description="Triton's Prometheus metrics in this pod: the autoscaling signal",
+    )
+    allowed_admin_rpcs: list[str] = Field(
+        default_factory=list,
+        description="RPCs refused by default that this deployment should forward anyway",
+    )
+    ready_timeout_s: float = Field(
+        600.0, gt=0, description="how long a new replica waits for Triton's ServerReady"
+    )
+    health_timeout_s: float = Field(
+        5.0, gt=0, description="deadline of the ServerLive call of each health check"
+    )
+    max_message_bytes: int = Field(MAX_MESSAGE_BYTES, gt=0, le=MAX_MESSAGE_BYTES)
+
+    @field_validator("allowed_admin_rpcs")
+    @classmethod
+    def _known_rpcs(cls, names: list[str]) -> list[str]:
+        unknown = sorted(set(names) - REFUSABLE)
+        if unknown:
+            raise ValueError(
+                f"allowed_admin_rpcs: {unknown} are not refusable Triton RPCs; "
+                f"choose from {sorted(REFUSABLE)}"
+            )
+        return names
+
+
+class TritonPod(GrpcForwarding):
+    # Serve awaits an async constructor, so a replica counts as started only once its Triton
+    # is ready.
+    async def __init__(self, args: TritonPodArgs) -> None:  # type: ignore[misc]
+        address = os.environ.get(TRITON_ADDRESS_ENV) or args.triton_address
+        http_address = os.environ.get(TRITON_HTTP_ADDRESS_ENV) or args.triton_http_address
+        metrics_url = os.environ.get(TRITON_METRICS_URL_ENV) or args.triton_metrics_url
+        args = args.model_copy(update={"triton_address": address,
+                                       "triton_http_address": http_address,
+                                       "triton_metrics_url": metrics_url})
+        self._args = args
+        self._queue_time = QueueTime()
+        options = [
+            ("grpc.max_send_message_length", args.max_message_bytes),
+            ("grpc.max_receive_message_length", args.max_message_bytes),
+            # Triton restarts in place; reconnect quickly instead of backing off for minutes.
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000),
+        ]
+        self._channel = grpc.aio.insecure_channel(args.triton_address, options=options)
+        self._unary = {
+            rpc.name: self._channel.unary_unary(rpc.path) for rpc in RPCS if not rpc.streaming
+        }
+        self._streams = {
+            rpc.name: self._channel.stream_stream(rpc.path) for rpc in RPCS if rpc.streaming
+        }
+        self._allowed = frozenset(args.allowed_admin_rpcs)
+        self._tokens = TokenCheck.from_env()
+        self._admin_key = admin_key()
+        self._http = HttpForwarder(args.triton_http_address, self._allowed, self._tokens,
+                                   self._admin_key)
+        await self._wait_for_triton()
+
+    async def _wait_for_triton(self) -> None:
+        address = self._args.triton_address
+        deadline = time.monotonic() + self._args.ready_timeout_s
+        next_log = 0.0
+        last_error = ""
+        while True:
+            try:
+                # ServerReady answers OK with ready=false while models load; its only field
+                # is that bool, which serialises to b"\x08\x01" when true.
+                reply = await self._unary["ServerReady"](b"", timeout=2.0)
+                if reply == b"\x08\x01":
+                    logger.info("Triton at %s is ready", address)
+                    return
+                last_error = "ServerReady answered ready=false"
+            except grpc.aio.AioRpcError as error:
+                last_error = f"{error.code().name}: {error.details()}"
+            now = time.monotonic()
+            if now >= deadline:
+                raise TimeoutError(
+                    f"Triton at {address} was not ready within "
+                    f"{self._args.ready_timeout_s:.0f}s (last answer: {last_error})"
+                )
+            if now >= next_log:
+                logger.info("waiting for Triton at %s to be ready (%s)", address, last_error)
+                next_log = now + 10.0
+            await asyncio.sleep(0.5)
+
+    async def __call__(self, request: Request) -> Response:
+        """Serve's HTTP proxy: Triton's HTTP/REST API, passed to this pod's Triton."""
+        return await self._http.forward(request)
+
+    async def check_health(self) -> None:
+        """Serve's health check: a Triton that does not answer ServerLive fails the replica."""
+        try:
+            reply = await self._unary["ServerLive"](b"", timeout=self._args.health_timeout_s)
+        except grpc.aio.AioRpcError as error:
+            raise RuntimeError(
+                f"Triton at {self._args.triton_address} is not live: "
+                f"{error.code().name}: {error.details()}"
+            ) from error
+        if reply != b"\x08\x01":
+            raise RuntimeError(f"Triton at {self._args.triton_address} reports live=false")
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom-metrics hook: this replica's Triton queue time per execution."""
+        counters = await asyncio.to_thread(scrape, self._args.triton_metrics_url, 5.0)
+        return {QUEUE_METRIC: self._queue_time.update(counters)}
+
+
+install_rpc_methods(TritonPod)
+TritonPodDeployment: Any = serve.deployment(TritonPod, name="TritonPod")
+
+
+def build_app(args: dict[str, Any]) -> Any:
+    """The application builder that the Serve config's `import_path` names: the app's `args`
+    are checked here, so a misspelt key fails the deploy with a message naming it."""
+    return TritonPodDeployment.bind(TritonPodArgs.model_validate(args))
+
+
+__all__ = ["BY_NAME", "TritonPod", "TritonPodArgs", "build_app"]

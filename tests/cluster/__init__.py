@@ -1,0 +1,1 @@
+"""Tests on `make cluster`: the gateway path on the cluster's mechanics (root)."""

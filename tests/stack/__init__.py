@@ -1,0 +1,1 @@
+"""Tests on a running local stack (make local's, on ports of their own)."""

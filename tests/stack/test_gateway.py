@@ -1,0 +1,214 @@
+"""The gateway path with two simulated pods (TRITONS=2), each a Ray node with one `triton`
+resource beside its own Triton, Envoy in front: per-call balancing, a Triton killed under
+load, a pod removed as a scale-down does it, many large calls on one connection, Envoy's
+metrics and admin ports, and autoscaling on Triton's queue time, up and down."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc.aio as tc_aio
+from tritonclient.utils import InferenceServerException
+
+from gateway import local as gateway
+from local_stack.harness import (
+    RunningStack,
+    processes_left_behind,
+    running_stack,
+    serve_config_with,
+)
+from local_stack.polling import until
+from local_stack.triton_inputs import tensor
+from tests.support.load import DEADLINE_S, Outcome, load, scale_cycle
+
+# Quick autoscaling for a test: Triton's metrics every half second, short delays, and a low
+# queue-time target that the slow model's queue crosses with a handful of callers.
+AUTOSCALING = {"metrics_interval_s": 0.5, "look_back_period_s": 2, "upscale_delay_s": 1,
+               "downscale_delay_s": 4}
+
+
+@pytest.fixture(scope="module")
+def pods(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
+    config = serve_config_with(
+        tmp_path_factory.mktemp("serve-config"),
+        deployment={"graceful_shutdown_timeout_s": 20, "health_check_period_s": 2},
+        autoscaling={**AUTOSCALING, "min_replicas": 2, "max_replicas": 2},
+        policy_kwargs={"target_queue_ms_per_exec": 50})
+    with running_stack({"DATA_PATH": "gateway", "TRITONS": "2", "SERVE_CONFIG": str(config)},
+                       ready_pattern=r"gateway discovery: pods \[0, 1\]") as running:
+        yield running
+    assert running.process.process.returncode == 0
+    assert not processes_left_behind(running.process)
+
+
+def _execution_counts(running: RunningStack) -> list[int]:
+    counts = []
+    for pod in (0, 1):
+        with urllib.request.urlopen(running.triton_metrics_url(pod), timeout=10) as response:
+            text = response.read().decode()
+        counts.append(sum(int(float(line.split()[-1])) for line in text.splitlines()
+                          if line.startswith('nv_inference_count{model="simple"')))
+    return counts
+
+
+def test_calls_spread_over_both_tritons(pods: RunningStack) -> None:
+    before = _execution_counts(pods)
+    outcomes = asyncio.run(load(pods.url("GRPC_PORT"), 3, 8))
+    after = _execution_counts(pods)
+    served = [a - b for a, b in zip(after, before, strict=True)]
+    print(f"{len(outcomes)} calls through the gateway; Triton 0 served {served[0]}, "
+          f"Triton 1 {served[1]}")
+    assert all(status == "OK" for _, status, _ in outcomes)
+    assert sum(served) == len(outcomes)
+    assert min(served) > len(outcomes) / 4, f"unbalanced: {served}"
+
+
+def test_many_large_calls_on_one_connection_never_stall(pods: RunningStack) -> None:
+    data = np.arange(4 << 20, dtype=np.float32)  # 16 MiB each way
+
+    async def run() -> list[tuple[str, float]]:
+        client = tc_aio.InferenceServerClient(pods.url("GRPC_PORT"))
+        end = time.monotonic() + 10
+        outcomes: list[tuple[str, float]] = []
+
+        async def caller() -> None:
+            while time.monotonic() < end:
+                started = time.monotonic()
+                try:
+                    result = await client.infer("identity_fp32", [tensor("INPUT", data, "FP32")],
+                                                client_timeout=60)
+                    ok = bool(np.array_equal(result.as_numpy("OUTPUT"), data))
+                    outcomes.append(("OK" if ok else "WRONG", time.monotonic() - started))
+                except InferenceServerException as error:
+                    outcomes.append((str(error.status()), time.monotonic() - started))
+
+        try:
+            await asyncio.gather(*(caller() for _ in range(32)))
+        finally:
+            await client.close()
+        return outcomes
+
+    for attempt in range(3):
+        outcomes = asyncio.run(run())
+        longest = max(seconds for _, seconds in outcomes)
+        print(f"16 MiB x 32 on one channel, run {attempt + 1}: {len(outcomes)} calls, "
+              f"longest {longest:.1f}s")
+        assert outcomes and {status for status, _ in outcomes} == {"OK"}
+        assert longest < 30, f"a call took {longest:.1f}s: the connection stalled"
+
+
+def test_metrics_port_serves_prometheus_and_nothing_else(pods: RunningStack) -> None:
+    base = f"http://localhost:{pods.ports['GATEWAY_METRICS_PORT']}"
+    with urllib.request.urlopen(f"{base}/stats/prometheus", timeout=10) as response:
+        text = response.read().decode()
+    assert 'envoy_cluster_upstream_rq_total{envoy_cluster_name="triton"}' in text
+    for path in ("/quitquitquit", "/clusters", "/config_dump", "/stats"):
+        with pytest.raises(urllib.error.HTTPError) as caught:
+            urllib.request.urlopen(f"{base}{path}", timeout=10)
+        assert caught.value.code == 404, path
+
+
+@pytest.mark.disruptive
+def test_triton_killed_costs_only_its_calls(pods: RunningStack) -> None:
+    seen = len(pods.process.lines)
+    killed_at = 0.0
+
+    async def kill_underload() -> list[Outcome]:
+        nonlocal killed_at
+        task = asyncio.ensure_future(load(pods.url("GRPC_PORT"), 12, 8, "slow", 0.2))
+        await asyncio.sleep(3)
+        killed_at = time.monotonic()
+        os.kill(pods.process.triton_pid(1), signal.SIGKILL)
+        return await task
+
+    outcomes = asyncio.run(kill_underload())
+    pods.process.wait_for_line(r"triton 1 exited with status -9", 30, after=seen)
+    failed = [(t - killed_at, s) for t, s, _ in outcomes if s != "OK"]
+    after_kill = [s for t, s, _ in outcomes if t > killed_at + 2]
+    longest = max(seconds for _, _, seconds in outcomes)
+    print(f"Triton 1 killed under load: {len(outcomes)} calls, {len(failed)} failed "
+          f"({sorted({s for _, s in failed})}), longest {longest:.1f}s; "
+          f"{after_kill.count('OK')} of {len(after_kill)} calls from 2 s after the kill on OK")
+    assert longest < DEADLINE_S + 2, "a call hung"
+    assert {s for _, s in failed} <= {"StatusCode.UNAVAILABLE"}
+    # Only the calls Triton 1 held when it died: at most its 8 callers' calls in flight.
+    assert len(failed) <= 8, failed
+    assert after_kill and set(after_kill) == {"OK"}, "calls did not go to the other Triton"
+    pods.process.wait_for_line(r"gateway discovery: pods \[0, 1\]", 120, after=seen)
+
+
+@pytest.mark.disruptive
+def test_pod_removed_as_a_scale_down_loses_no_call(pods: RunningStack) -> None:
+    seen = len(pods.process.lines)
+
+    async def remove_underload() -> list[Outcome]:
+        task = asyncio.ensure_future(load(pods.url("GRPC_PORT"), 12, 8, "slow", 0.5))
+        await asyncio.sleep(3)
+        pods.process.delete_pod(1)
+        return await task
+
+    outcomes = asyncio.run(remove_underload())
+    pods.process.wait_for_line(r"triton 1: out of discovery; SIGTERM", 30, after=seen)
+    exited = pods.process.wait_for_line(r"triton 1 exited with status (-?\d+) after its drain",
+                                        60, after=seen)
+    statuses = [s for _, s, _ in outcomes]
+    print(f"pod 1 removed under load: {len(outcomes)} calls, "
+          f"{len(statuses) - statuses.count('OK')} failed; Triton 1 exited with "
+          f"{exited.group(1)}")
+    assert statuses and set(statuses) == {"OK"}
+    assert exited.group(1) == "0", "Triton did not exit cleanly after draining"
+    pods.process.wait_for_line(r"gateway discovery: pods \[0, 1\]", 120, after=seen)
+
+
+@pytest.mark.disruptive
+def test_envoy_killed_is_restarted_with_both_tritons(pods: RunningStack) -> None:
+    """As the kubelet restarts the gateway's container: the new Envoy reads the current
+    discovery and serves both Tritons again."""
+    seen = len(pods.process.lines)
+    os.kill(pods.process.pids(r"Envoy started \(pid (\d+)\)")[-1], signal.SIGKILL)
+    pods.process.wait_for_line(r"gateway: Envoy exited with status -9; restarting", 30,
+                               after=seen)
+    pods.process.wait_for_line(r"gateway: Envoy started \(pid \d+\)", 30, after=seen)
+    tritons = {int(pods.triton_url(pod).rsplit(":", 1)[1]) for pod in (0, 1)}
+
+    def both_healthy() -> object:
+        try:
+            healthy = gateway.upstream_ports(int(pods.ports["GATEWAY_ADMIN_PORT"]),
+                                             healthy_only=True)
+        except OSError as error:
+            return error
+        return healthy == tritons or f"healthy: {sorted(healthy)}"
+
+    until("the restarted Envoy to have both Tritons healthy", both_healthy, 60)
+    before = _execution_counts(pods)
+    outcomes = asyncio.run(load(pods.url("GRPC_PORT"), 2, 4))
+    served = [a - b for a, b in zip(_execution_counts(pods), before, strict=True)]
+    print(f"Envoy killed and restarted: {len(outcomes)} calls after, served {served}")
+    assert outcomes and {status for _, status, _ in outcomes} == {"OK"}
+    assert min(served) > 0, f"the restarted Envoy used one Triton only: {served}"
+
+
+@pytest.mark.disruptive
+def test_replicas_follow_tritons_queue_time_up_and_down(
+    pods: RunningStack, tmp_path: Path
+) -> None:
+    config = serve_config_with(
+        tmp_path, deployment={"graceful_shutdown_timeout_s": 20, "health_check_period_s": 2},
+        autoscaling={**AUTOSCALING, "min_replicas": 1, "max_replicas": 2},
+        policy_kwargs={"target_queue_ms_per_exec": 50})
+    # An in-place Serve update, as KubeRay applies a changed serveConfigV2.
+    pods.redeploy(config)
+    timeline, outcomes = scale_cycle(pods)
+    assert [s for _, s, _ in outcomes if s != "OK"] == []
+    counts = [count for _, count in timeline]
+    assert counts[0] == 1 and max(counts) == 2, timeline
+    assert counts[-1] == 1, f"never scaled back down: {timeline}"

@@ -1,0 +1,162 @@
+"""components/token-auth end to end: a stack of its own whose replicas read bearer tokens from a
+file (as the component mounts the Secret), with real tritonclient clients through Serve's
+proxy. Triton forwards every header it gets into the request parameters here, so the
+echo_headers model shows what reached Triton."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import queue
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as tc
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from local_stack.harness import processes_left_behind, running_stack
+from local_stack.triton_inputs import tensor
+from tests.stack.conftest import DATA_PATHS
+from tests.support.raw_http import request
+
+FIRST = "tok-first-5f1c0a"
+SECOND = "tok-second-9e27b4"
+ROTATED = "tok-rotated-c83d61"
+
+
+@dataclass
+class AuthStack:
+    url: str
+    http_url: str
+    tokens_file: Path
+    workdir: Path
+
+
+@pytest.fixture(scope="module", params=DATA_PATHS)
+def auth_stack(request: pytest.FixtureRequest,
+               tmp_path_factory: pytest.TempPathFactory) -> Iterator[AuthStack]:
+    tokens_file = tmp_path_factory.mktemp("client-tokens") / "tokens"
+    tokens_file.write_text(f"# one token a line\n{FIRST}\n{SECOND}\n")
+    with running_stack({
+        "DATA_PATH": request.param,
+        "SONIC_RAY_AUTH_TOKENS_FILE": str(tokens_file),
+        "TRITON_ARGS": "--grpc-header-forward-pattern=.* --http-header-forward-pattern=.*",
+    }) as running:
+        yield AuthStack(running.url("GRPC_PORT"), running.url("HTTP_PORT"), tokens_file,
+                        running.process.workdir())
+    assert not processes_left_behind(running.process)
+
+
+def _echo_inputs() -> list[tc.InferInput]:
+    return [tensor("INPUT", np.array([1], np.int32), "INT32")]
+
+
+def _status(call: Callable[[], object]) -> str:
+    try:
+        call()
+    except InferenceServerException as error:
+        return f"{error.status()}: {error.message()}"
+    return "OK"
+
+
+def _infer(url: str, token: str | None) -> str:
+    headers = {"authorization": f"Bearer {token}"} if token is not None else None
+    client = tc.InferenceServerClient(url)
+    return _status(lambda: client.infer("echo_headers", _echo_inputs(), headers=headers,
+                                        client_timeout=30))
+
+
+def test_calls_without_a_known_token_are_unauthenticated(auth_stack: AuthStack) -> None:
+    for token in (None, "not-a-token", FIRST + "x", ""):
+        outcome = _infer(auth_stack.url, token)
+        assert outcome.startswith("StatusCode.UNAUTHENTICATED"), (token, outcome)
+        assert "Bearer" in outcome  # says what to send
+    client = tc.InferenceServerClient(auth_stack.url)
+    metadata_call = _status(lambda: client.get_model_metadata("echo_headers"))
+    assert metadata_call.startswith("StatusCode.UNAUTHENTICATED"), metadata_call
+
+
+def test_known_tokens_pass_and_are_not_passed_on_to_triton(auth_stack: AuthStack) -> None:
+    for token in (FIRST, SECOND):
+        client = tc.InferenceServerClient(auth_stack.url)
+        result = client.infer("echo_headers", _echo_inputs(),
+                              headers={"authorization": f"Bearer {token}", "x-sonic-job": "auth"},
+                              client_timeout=30)
+        seen_by_triton = result.as_numpy("PARAMETERS")[0].decode()
+        assert '"x-sonic-job":"auth"' in seen_by_triton  # headers do reach Triton here...
+        assert token not in seen_by_triton and "authorization" not in seen_by_triton  # ...not this
+
+
+def test_http_requests_without_a_known_token_get_401(auth_stack: AuthStack) -> None:
+    for token in (None, "not-a-token", FIRST + "x"):
+        headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
+        for method, path in (("GET", "/v2/health/ready"), ("GET", "/v2/models/echo_headers"),
+                             ("POST", "/v2/repository/index")):
+            status, answer_headers, body = request(auth_stack.http_url, method, path,
+                                                   headers=headers)
+            assert status == 401, (token, path, status, body)
+            assert "Bearer" in json.loads(body)["error"]  # Triton's error shape, says what to send
+            assert answer_headers.get("www-authenticate") == "Bearer"
+
+
+def test_http_known_tokens_pass_and_are_not_passed_on_to_triton(auth_stack: AuthStack) -> None:
+    client = httpclient.InferenceServerClient(auth_stack.http_url)
+    inputs = [httpclient.InferInput("INPUT", [1], "INT32")]
+    inputs[0].set_data_from_numpy(np.array([1], np.int32))
+    for token in (FIRST, SECOND):
+        result = client.infer("echo_headers", inputs,
+                              headers={"Authorization": f"Bearer {token}", "X-Sonic-Job": "http"})
+        seen_by_triton = result.as_numpy("PARAMETERS")[0].decode().lower()
+        assert '"x-sonic-job":"http"' in seen_by_triton  # headers do reach Triton here...
+        assert token not in seen_by_triton and "authorization" not in seen_by_triton  # ...not this
+
+
+def test_streams_are_checked_too(auth_stack: AuthStack) -> None:
+    def stream(token: str | None) -> object:
+        results: queue.Queue[object] = queue.Queue()
+        client = tc.InferenceServerClient(auth_stack.url)
+        headers = {"authorization": f"Bearer {token}"} if token else None
+        client.start_stream(callback=lambda result, error: results.put(error or result),
+                            headers=headers, stream_timeout=30)
+        try:
+            # The gateway may refuse the stream before the request is sent.
+            with contextlib.suppress(InferenceServerException):
+                client.async_stream_infer("echo_headers", _echo_inputs())
+            return results.get(timeout=30)  # the refusal comes through the callback either way
+        finally:
+            client.stop_stream()
+
+    refused = stream(None)
+    assert isinstance(refused, InferenceServerException), refused
+    assert refused.status() == "StatusCode.UNAUTHENTICATED"
+    assert not isinstance(stream(FIRST), InferenceServerException)
+
+
+def test_a_rotated_secret_takes_effect_without_a_restart(auth_stack: AuthStack) -> None:
+    # Kubelet swaps a Secret volume's files by renaming; so does this.
+    staged = auth_stack.tokens_file.with_name("tokens.new")
+    staged.write_text(f"{ROTATED}\n")
+    staged.replace(auth_stack.tokens_file)
+    deadline = time.monotonic() + 30
+    while (outcome := _infer(auth_stack.url, ROTATED)) != "OK":
+        assert time.monotonic() < deadline, f"the new token was never accepted: {outcome}"
+        time.sleep(0.5)
+    assert _infer(auth_stack.url, FIRST).startswith("StatusCode.UNAUTHENTICATED")
+
+
+def test_tokens_appear_in_no_log(auth_stack: AuthStack) -> None:
+    _infer(auth_stack.url, "leaked-if-logged-0d9a")  # a refused one, the likeliest to be logged
+    _infer(auth_stack.url, ROTATED)
+    files = [p for p in auth_stack.workdir.rglob("*") if p.is_file()]
+    assert len(files) > 10, "no logs found: the check would be empty"
+    for path in files:
+        if path.is_symlink() or path.suffix in {".sock", ".so"}:
+            continue
+        data = path.read_bytes() if path.stat().st_size < (64 << 20) else b""
+        for token in (FIRST, SECOND, ROTATED, "leaked-if-logged-0d9a"):
+            assert token.encode() not in data, f"{token} in {path}"

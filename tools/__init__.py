@@ -1,0 +1,1 @@
+"""Generators of committed files (make generate)."""
