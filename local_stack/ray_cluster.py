@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -145,6 +146,15 @@ def http(method: str, url: str, token: str, body: dict[str, Any] | None = None,
     with urllib.request.urlopen(request, timeout=timeout_s) as response:
         text = response.read().decode()
     return json.loads(text) if text.strip() else None
+
+
+def dashboard_answers(dashboard: str, token: str) -> bool | str:
+    """True once Ray's dashboard answers (with the cluster's token), else why not."""
+    try:
+        http("GET", f"{dashboard}/api/version", token)
+        return True
+    except (urllib.error.URLError, OSError) as error:
+        return str(error)
 
 
 def application(dashboard: str, token: str) -> dict[str, Any]:

@@ -226,14 +226,8 @@ class LocalStack:
         say(f"starting Ray (pid {self.ray.pid}, GCS {s.gcs_port}, dashboard "
             f"{s.dashboard_port}), log: {self.workdir / 'ray.log'}")
 
-        def dashboard_up() -> Any:
-            try:
-                ray_cluster.http("GET", f"{self.dashboard}/api/version", s.ray_token)
-                return True
-            except (urllib.error.URLError, OSError) as error:
-                return str(error)
-
-        _wait("Ray to start", dashboard_up, 180, self.alive)
+        _wait("Ray to start", lambda: ray_cluster.dashboard_answers(self.dashboard, s.ray_token),
+              180, self.alive)
         for i in range(s.tritons):
             self.pod_nodes.append(self._start_pod_node(i))
 

@@ -358,14 +358,8 @@ class ClusterStack:
         self.dashboard = f"http://{net.ip}:8265"
         say(f"{HEAD}: Ray head at {net.ip} (dashboard {self.dashboard})")
 
-        def dashboard_up() -> object:
-            try:
-                ray_cluster.http("GET", f"{self.dashboard}/api/version", s.ray_token)
-                return True
-            except (urllib.error.URLError, OSError) as error:
-                return str(error)
-
-        until("the Ray head", dashboard_up, 240, every_s=0.5, note=say)
+        until("the Ray head", lambda: ray_cluster.dashboard_answers(self.dashboard, s.ray_token),
+              240, every_s=0.5, note=say)
         for _ in range(s.tritons):
             self._new_pod("triton")
         say("deploying the Serve config")
