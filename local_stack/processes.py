@@ -6,6 +6,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -22,6 +23,51 @@ def set_parent_death_signal() -> None:
         libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
     except (OSError, AttributeError):
         pass
+
+
+_SAYING = threading.Lock()
+
+
+def say_line(line: str) -> None:
+    """One whole line to stdout, never run into another thread's (print writes the text and
+    the newline apart): tests and operators read the stacks' lines one by one."""
+    with _SAYING:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+
+
+def run_until_signalled(run: Callable[[threading.Event], None], cleanup: Callable[[], None],
+                        say: Callable[[str], None],
+                        errors: tuple[type[Exception], ...] = ()) -> int:
+    """A stack's main: `run(stop)` until it returns or SIGINT/SIGTERM sets `stop`, then
+    `cleanup()`, whatever happened; 0, or 1 after an error it says."""
+    stop = threading.Event()
+
+    def on_signal(_signum: int, _frame: object) -> None:
+        if stop.is_set():
+            return  # already stopping: a second signal must not cut the cleanup short
+        stop.set()
+        # Interrupts whatever wait the stack is in, startup included.
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        run(stop)
+        return 0
+    except KeyboardInterrupt:
+        return 0
+    except (SystemExit, Exception) as error:
+        if not isinstance(error, (SystemExit, *errors)):
+            raise
+        code = error.code if isinstance(error, SystemExit) else str(error)
+        if code not in (None, 0):
+            say(f"error: {code}")
+        return 1
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        cleanup()
 
 
 def die_with_stack() -> None:

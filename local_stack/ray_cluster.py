@@ -127,6 +127,18 @@ def local_serve_config(settings: Settings, path: Path | None = None) -> dict[str
     }
     serve_grpc = settings.grpc_port if settings.data_path == "serve" else settings.serve_grpc_port
     config["grpc_options"] = {**config.get("grpc_options", {}), "port": serve_grpc}
+    # The gateway's stats on this machine's port (the cluster's name for them does not
+    # resolve here); the Serve path has no gateway to ask.
+    for app in config.get("applications") or []:
+        for deployment in app.get("deployments") or []:
+            kwargs = ((deployment.get("autoscaling_config") or {}).get("policy") or {}).get(
+                "policy_kwargs")
+            if isinstance(kwargs, dict) and "gateway_stats_url" in kwargs:
+                if settings.data_path == "gateway":
+                    kwargs["gateway_stats_url"] = (f"http://127.0.0.1:"
+                                                   f"{settings.gateway_metrics_port}/stats/prometheus")
+                else:
+                    del kwargs["gateway_stats_url"]
     return config
 
 
@@ -184,3 +196,16 @@ def replica_triton_address(pid: int) -> str | None:
         return None
     prefix = f"{TRITON_ADDRESS_ENV}=".encode()
     return next((item[len(prefix):].decode() for item in environ if item.startswith(prefix)), None)
+
+
+def applications_running(dashboard: str, token: str) -> bool | str:
+    """True once every Serve application reports RUNNING (KubeRay's test before it switches
+    its Services to a new cluster), else what they report."""
+    try:
+        apps = http("GET", f"{dashboard}/api/serve/applications/", token).get("applications")
+    except (urllib.error.URLError, OSError, ValueError) as error:
+        return str(error)
+    statuses = {name: app.get("status") for name, app in (apps or {}).items()}
+    if statuses and all(status == "RUNNING" for status in statuses.values()):
+        return True
+    return str(statuses)

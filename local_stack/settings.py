@@ -18,14 +18,17 @@ DATA_PATHS = ("gateway", "serve")
 POD_PORT_STEP = 10
 
 
-def _int_env(env: Mapping[str, str], name: str, default: int) -> int:
+def int_env(env: Mapping[str, str], name: str, default: int, low: int | None = None,
+            high: int | None = None) -> int:
+    """A whole-number variable (its default when unset), within [low, high] where given."""
     raw = env.get(name, "")
-    if not raw:
-        return default
     try:
-        return int(raw)
+        value = int(raw) if raw else default
     except ValueError:
         raise SystemExit(f"{name}={raw!r} is not a whole number") from None
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise SystemExit(f"{name}={value}: between {low} and {high}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -83,7 +86,7 @@ class Settings:
         data_path = env.get("DATA_PATH") or "gateway"
         if data_path not in DATA_PATHS:
             raise SystemExit(f"DATA_PATH={data_path!r}: choose one of {', '.join(DATA_PATHS)}")
-        tritons = _int_env(env, "TRITONS", 1)
+        tritons = int_env(env, "TRITONS", 1)
         if not 1 <= tritons <= 8:
             raise SystemExit(f"TRITONS={tritons}: between 1 and 8 simulated pods")
         repo = Path(env.get("MODEL_REPOSITORY") or DEFAULT_MODELS).resolve()
@@ -96,21 +99,21 @@ class Settings:
             data_path=data_path,
             tritons=tritons,
             model_repository=repo,
-            grpc_port=_int_env(env, "GRPC_PORT", 8001),
-            http_port=_int_env(env, "HTTP_PORT", 8000),
-            serve_grpc_port=_int_env(env, "SERVE_GRPC_PORT", 9000),
-            serve_http_port=_int_env(env, "SERVE_HTTP_PORT", 9080),
-            gateway_metrics_port=_int_env(env, "GATEWAY_METRICS_PORT", 9902),
-            gateway_admin_port=_int_env(env, "GATEWAY_ADMIN_PORT", 9901),
+            grpc_port=int_env(env, "GRPC_PORT", 8001),
+            http_port=int_env(env, "HTTP_PORT", 8000),
+            serve_grpc_port=int_env(env, "SERVE_GRPC_PORT", 9000),
+            serve_http_port=int_env(env, "SERVE_HTTP_PORT", 9080),
+            gateway_metrics_port=int_env(env, "GATEWAY_METRICS_PORT", 9902),
+            gateway_admin_port=int_env(env, "GATEWAY_ADMIN_PORT", 9901),
             observe=env.get("OBSERVE", "") not in ("", "0"),
-            prometheus_port=_int_env(env, "PROMETHEUS_PORT", 9090),
+            prometheus_port=int_env(env, "PROMETHEUS_PORT", 9090),
             triton_base=TritonPorts(
-                http=_int_env(env, "TRITON_HTTP_PORT", 8100),
-                grpc=_int_env(env, "TRITON_GRPC_PORT", 8101),
-                metrics=_int_env(env, "TRITON_METRICS_PORT", 8102),
+                http=int_env(env, "TRITON_HTTP_PORT", 8100),
+                grpc=int_env(env, "TRITON_GRPC_PORT", 8101),
+                metrics=int_env(env, "TRITON_METRICS_PORT", 8102),
             ),
-            gcs_port=_int_env(env, "RAY_GCS_PORT", 6379),
-            dashboard_port=_int_env(env, "RAY_DASHBOARD_PORT", 8265),
+            gcs_port=int_env(env, "RAY_GCS_PORT", 6379),
+            dashboard_port=int_env(env, "RAY_DASHBOARD_PORT", 8265),
             serve_config=config,
             triton_args=tuple(shlex.split(env.get("TRITON_ARGS", ""))),
             ray_token=env.get("RAY_AUTH_TOKEN") or secrets.token_hex(32),

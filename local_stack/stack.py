@@ -43,7 +43,13 @@ from gateway import local as gateway
 from gateway.routes import HTTP_CLUSTER
 from local_stack import prometheus, ray_cluster, triton
 from local_stack.polling import until
-from local_stack.processes import Supervisor, set_parent_death_signal, terminate
+from local_stack.processes import (
+    Supervisor,
+    run_until_signalled,
+    say_line,
+    set_parent_death_signal,
+    terminate,
+)
 from local_stack.settings import Settings
 from triton_pod.access import ADMIN_KEY_ENV, TokenCheck
 from triton_pod.rpcs import SERVICE
@@ -58,7 +64,7 @@ READY = "ready:"
 
 
 def say(message: str) -> None:
-    print(f"{SAID} {message}", flush=True)
+    say_line(f"{SAID} {message}")
 
 
 def _wait(what: str, check: Callable[[], Any], timeout_s: float,
@@ -396,33 +402,13 @@ class LocalStack:
 def main() -> int:
     # `make local` killed by SIGTERM does not pass the signal on: the kernel does.
     set_parent_death_signal()
-    settings = Settings.from_env()
-    stop = threading.Event()
+    stack = LocalStack(Settings.from_env())
 
-    def on_signal(signum: int, _frame: Any) -> None:
-        if stop.is_set():
-            return  # already stopping: a second signal must not cut the cleanup short
-        stop.set()
-        # Interrupts whatever wait the stack is in, startup included.
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
-    stack = LocalStack(settings)
-    try:
+    def run(stop: threading.Event) -> None:
         stack.start()
         stack.run_until_stopped(stop)
-        return 0
-    except KeyboardInterrupt:
-        return 0
-    except SystemExit as exit_:
-        if exit_.code not in (None, 0):
-            say(f"error: {exit_.code}")
-        return 1
-    finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        stack.stop()
+
+    return run_until_signalled(run, stack.stop, say)
 
 
 if __name__ == "__main__":

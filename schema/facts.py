@@ -54,6 +54,9 @@ RAY_DRAIN_DEFAULT_S = 30
 # Corefile says so in this annotation of the RayService), and the endpoint controller's update.
 DNS_TTL_ANNOTATION = "sonic-ray.io/cluster-dns-ttl-seconds"
 ENDPOINTS_LAG_S = 1
+# KubeRay v1.7.0 deletes the old cluster this long after the switch unless
+# spec.rayClusterDeletionDelaySeconds says otherwise (rayservice_controller.go).
+KUBERAY_DELETION_DELAY_S = 60
 # Ports Ray binds in a pod, by `ray start` parameter, with Ray's defaults.
 RAY_PORT_PARAMS = {"port": 6379, "dashboard-port": 8265, "ray-client-server-port": 10001,
                    "metrics-export-port": 8080, "dashboard-agent-listen-port": 52365,
@@ -184,6 +187,42 @@ def _cluster_port(envoy: dict[str, Any], cluster: str) -> Any:
     return port
 
 
+def _cluster_hosts(envoy: dict[str, Any], cluster: str) -> list[str]:
+    """The DNS names (or addresses) a cluster's endpoints resolve."""
+    return [str(endpoint.get("endpoint", {}).get("address", {}).get("socket_address", {})
+                .get("address"))
+            for group in (named(envoy, "clusters", cluster).get("load_assignment") or {})
+            .get("endpoints") or []
+            for endpoint in group.get("lb_endpoints") or []]
+
+
+def _discovery_facts(facts: Facts, envoy: dict[str, Any], spec: dict[str, Any],
+                     stream: list[dict[str, Any]], source: str) -> None:
+    """What the gateway resolves must be the Service KubeRay points at the active cluster."""
+    service = spec.get("serveService") or {}
+    name = (service.get("metadata") or {}).get("name")
+    hosts = sorted({h for c in (GRPC_CLUSTER, HTTP_CLUSTER) for h in _cluster_hosts(envoy, c)})
+    names = {name} | {h.split(".")[0] for h in hosts}
+    shipped = [f"Service {(o.get('metadata') or {}).get('name')}" for o in stream
+               if o.get("kind") == "Service" and (o.get("metadata") or {}).get("name") in names]
+    facts.put("gatewayDiscovery", {
+        "hostsOtherThanServeService": [h for h in hosts if h.split(".")[0] != name],
+        "serveServiceClusterIP": (service.get("spec") or {}).get("clusterIP"),
+        "excludeHeadPodFromServeSvc": spec.get("excludeHeadPodFromServeSvc", False),
+        "servicesShippedUnderItsName": shipped,
+    }, f"{source} clusters[{GRPC_CLUSTER}, {HTTP_CLUSTER}]")
+    facts.sources |= {
+        "/gatewayDiscovery/hostsOtherThanServeService":
+            f"{source} clusters[{GRPC_CLUSTER}, {HTTP_CLUSTER}] endpoint addresses "
+            f"(spec.serveService.metadata.name is {name!r})",
+        "/gatewayDiscovery/serveServiceClusterIP": "spec.serveService.spec.clusterIP",
+        "/gatewayDiscovery/excludeHeadPodFromServeSvc": "spec.excludeHeadPodFromServeSvc",
+        "/gatewayDiscovery/servicesShippedUnderItsName":
+            f"the build's Services named as spec.serveService ({name!r}) or what the gateway "
+            "resolves",
+    }
+
+
 @dataclass
 class _Gateway:
     """What other facts need from the gateway: its listeners' ports by name (the clients'
@@ -241,6 +280,7 @@ def _add_gateway_facts(facts: Facts, stream: list[dict[str, Any]], spec: dict[st
     dns = ((triton.get("cluster_type") or {}).get("typed_config") or {})
     refresh = dns.get("dns_refresh_rate") or triton.get("dns_refresh_rate") or "5s"  # default
     facts.put("gatewayDnsRefreshS", _seconds(refresh), f"{source} clusters[triton].dns_refresh_rate")
+    _discovery_facts(facts, envoy, spec, stream, source)
     found = _Gateway(listeners, _cluster_port(envoy, GRPC_CLUSTER),
                      _cluster_port(envoy, HTTP_CLUSTER) if named(envoy, "clusters", HTTP_CLUSTER)
                      else None, _seconds(refresh), source)
@@ -299,6 +339,12 @@ def extract(rayservice: dict[str, Any], stream: list[dict[str, Any]] | None = No
     _client_facts(facts, spec, stream or [], serve, gateway)
     dns_ttl = _int(annotations.get(DNS_TTL_ANNOTATION))
     facts.put("clusterDnsTtlS", dns_ttl, f"metadata.annotations[{DNS_TTL_ANNOTATION}]")
+    if gateway is not None and isinstance(gateway.dns_refresh_s, float) and isinstance(
+            dns_ttl, int):
+        delay = _int(spec.get("rayClusterDeletionDelaySeconds", KUBERAY_DELETION_DELAY_S))
+        facts.put("deletionDelayMinusGatewayDiscovery",
+                  _diff(delay, gateway.dns_refresh_s + dns_ttl + ENDPOINTS_LAG_S),
+                  "spec.rayClusterDeletionDelaySeconds")
     versions = {tested_ray_version(), str(cluster.get("rayVersion"))}
     templates = [("spec.rayClusterConfig.headGroupSpec", head)] + [
         (f"spec.rayClusterConfig.workerGroupSpecs[{g.get('groupName')}]", g)
@@ -378,7 +424,7 @@ def _client_facts(facts: Facts, spec: dict[str, Any], stream: list[dict[str, Any
                   serve: _Serve, gateway: _Gateway | None) -> None:
     """Where the clients' Service sends port 8001 (gRPC) and 8000 (HTTP): the gateway's
     listeners, or Serve's gRPC and HTTP proxies."""
-    if spec.get("serveService"):
+    if spec.get("serveService") and gateway is None:
         leaked = [p for p in _serve_service_ports(spec)
                   if _int(p.get("targetPort", p.get("port"))) not in (serve.grpc_port,
                                                                         serve.http_port)]

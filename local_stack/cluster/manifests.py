@@ -51,6 +51,15 @@ WORKER_READINESS = Probe(
     period_s=5, timeout_s=2, failure_threshold=1, success_threshold=1, initial_delay_s=10)
 
 
+def head_readiness(agent_port: int) -> Probe:
+    """KubeRay v1.7.0's readiness probe of a RayService's head Ray container for Ray 2.60
+    (initLivenessAndReadinessProbe, pod.go: the unified HTTP check of the dashboard agent's
+    /api/healthz; head timeout 5 s, period 5 s, failure threshold 10, initial delay 10 s).
+    KubeRay sends the Serve config only once the head is Ready (reconcileServe)."""
+    return Probe(kind="http", port=agent_port, path="/api/healthz", period_s=5, timeout_s=5,
+                 failure_threshold=10, success_threshold=1, initial_delay_s=10)
+
+
 @dataclass(frozen=True)
 class Container:
     name: str
@@ -84,6 +93,14 @@ class Built:
     services: dict[str, dict[int, int]]
     worker_max_replicas: int
     idle_timeout_s: float
+    # The pod templates' labels, as the endpoints controller matches them.
+    labels: dict[str, dict[str, str]]
+    # Headless Services the build ships (their names resolve to pod addresses): name -> selector.
+    headless: dict[str, dict[str, str]]
+    # spec.serveService's name when it is headless: KubeRay points it at the active cluster.
+    serve_service: str | None
+    exclude_head: bool
+    deletion_delay_s: float
 
 
 def build(overlay: Path = OVERLAY) -> list[dict[str, Any]]:
@@ -166,6 +183,7 @@ def read(objects: list[dict[str, Any]]) -> Built:
             int(p["port"]): named[p["targetPort"]] if isinstance(p.get("targetPort"), str)
             else int(p.get("targetPort", p["port"])) for p in service["spec"]["ports"]}
     annotations = rayservice["metadata"].get("annotations") or {}
+    serve_service = rayservice["spec"].get("serveService") or {}
     return Built(
         worker=_template(group["template"], group.get("rayStartParams")),
         head=_template(cluster["headGroupSpec"]["template"],
@@ -181,4 +199,14 @@ def read(objects: list[dict[str, Any]]) -> Built:
         worker_max_replicas=int(group["maxReplicas"]),
         idle_timeout_s=float((cluster.get("autoscalerOptions") or {}).get(
             "idleTimeoutSeconds", 60)),
+        labels={kind: dict(template["metadata"].get("labels") or {}) for kind, template in
+                (("worker", group["template"]), ("head", cluster["headGroupSpec"]["template"]),
+                 ("gateway", gateway_pod))},
+        headless={s["metadata"]["name"]: dict(s["spec"].get("selector") or {})
+                  for s in by_kind["Service"] if s["spec"].get("clusterIP") == "None"},
+        serve_service=(serve_service.get("metadata", {}).get("name")
+                       if (serve_service.get("spec") or {}).get("clusterIP") == "None" else None),
+        exclude_head=bool(rayservice["spec"].get("excludeHeadPodFromServeSvc", False)),
+        # KubeRay v1.7.0's default (RayClusterDeletionDelayDuration, rayservice_controller.go).
+        deletion_delay_s=float(rayservice["spec"].get("rayClusterDeletionDelaySeconds", 60)),
     )

@@ -13,7 +13,11 @@ Contract (tests and operators use it): once ServerReady answers through the Serv
 line `[cluster] ready: grpc <ip>:8001 http <ip>:8000 pods <dir>`; pods are named triton-<i>
 and gateway-<i>; `touch <dir>/<pod>/delete` does what `kubectl delete pod` does, and the
 pod's owner replaces it; `touch <dir>/<pod>/cut` takes the pod's node off the network
-(nothing answers, nothing resets). Variables as for `make local` (TRITONS, MODEL_REPOSITORY,
+(nothing answers, nothing resets); writing `<dir>/upgrade` (empty, or lines
+`MODEL_REPOSITORY=<dir>` / `SERVE_CONFIG=<file>` for the new cluster) runs KubeRay's NewCluster
+upgrade: a second Ray cluster with its own head and GPU pods, the Serve config deployed to it,
+the switch of KubeRay's Services once every application is RUNNING, and the old cluster's
+deletion rayClusterDeletionDelaySeconds later. Variables as for `make local` (TRITONS, MODEL_REPOSITORY,
 SERVE_CONFIG, TRITON_ARGS, SONIC_RAY_AUTH_TOKENS_FILE, SONIC_RAY_ADMIN_KEY, RAY_AUTH_TOKEN),
 plus GATEWAYS (the gateway Deployment's replicas; default: the build's) and DNS_TTL (the
 cluster DNS's TTL and cache; default: the build's sonic-ray.io/cluster-dns-ttl-seconds).
@@ -27,6 +31,7 @@ import os
 import re
 import resource
 import secrets
+import shlex
 import shutil
 import signal
 import sys
@@ -40,13 +45,14 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import yaml
 
 from local_stack import ray_cluster, triton
 from local_stack.cluster import dns, manifests, network, service
 from local_stack.cluster.pods import ContainerSpec, Pod
 from local_stack.polling import until
-from local_stack.processes import set_parent_death_signal
-from local_stack.settings import DEFAULT_MODELS, SERVE_DIR
+from local_stack.processes import run_until_signalled, say_line, set_parent_death_signal
+from local_stack.settings import DEFAULT_MODELS, SERVE_DIR, int_env
 from local_stack.stack import http_ready, server_ready
 from triton_pod.access import ADMIN_KEY_ENV, TOKENS_FILE_ENV
 
@@ -58,23 +64,18 @@ READY_TIMEOUT_S = 900.0
 # here the same package from the checkout.
 CODE_MOUNT = "/opt/sonic-ray"
 HEAD = "ray-head"
+# What the upgrade control file may set for the new cluster.
+UPGRADE_SETTINGS = ("MODEL_REPOSITORY", "SERVE_CONFIG")
 # Ray's GCS port on the head (the head's gcs-server container port).
 GCS_PORT = 6379
+# How long a GPU pod that is not ready yet counts as starting (Triton's startup probe allows 300 s).
+STARTING_S = 300.0
+# The dashboard agent's port when rayStartParams do not set one (Ray's default).
+AGENT_PORT = 52365
 
 
 def say(message: str) -> None:
-    print(f"{SAID} {message}", flush=True)
-
-
-def _int_env(env: Mapping[str, str], name: str, default: int, low: int, high: int) -> int:
-    raw = env.get(name, "")
-    try:
-        value = int(raw) if raw else default
-    except ValueError:
-        raise SystemExit(f"{name}={raw!r} is not a whole number") from None
-    if not low <= value <= high:
-        raise SystemExit(f"{name}={value}: between {low} and {high}")
-    return value
+    say_line(f"{SAID} {message}")
 
 
 @dataclass(frozen=True)
@@ -94,33 +95,66 @@ class ClusterSettings:
                  ) -> ClusterSettings:
         if env.get("DATA_PATH", "gateway") != "gateway":
             raise SystemExit("make cluster runs the gateway path; DATA_PATH=serve is make local's")
-        repo = env.get("MODEL_REPOSITORY")
-        if repo and not Path(repo).is_dir():
-            raise SystemExit(f"MODEL_REPOSITORY={repo} is not a directory")
-        config = built.serve_config
-        if env.get("SERVE_CONFIG"):
-            path = Path(env["SERVE_CONFIG"])
-            if not path.is_file():
-                raise SystemExit(f"SERVE_CONFIG={path} is not a file")
-            import yaml
-
-            config = yaml.safe_load(path.read_text())
+        repo, config = cluster_settings(built, env)
         tokens = env.get(TOKENS_FILE_ENV) or None
         if tokens and not Path(tokens).is_file():
             raise SystemExit(f"{TOKENS_FILE_ENV}={tokens} is not a file")
-        import shlex
-
         return cls(
-            tritons=_int_env(env, "TRITONS", 1, 0, built.worker_max_replicas),
-            gateways=_int_env(env, "GATEWAYS", built.gateway_replicas, 1, 8),
-            dns_ttl_s=_int_env(env, "DNS_TTL", built.dns_ttl_s, 0, 3600),
-            model_repository=Path(repo).resolve() if repo else None,
+            tritons=int_env(env, "TRITONS", 1, 0, built.worker_max_replicas),
+            gateways=int_env(env, "GATEWAYS", built.gateway_replicas, 1, 8),
+            dns_ttl_s=int_env(env, "DNS_TTL", built.dns_ttl_s, 0, 3600),
+            model_repository=repo,
             serve_config=config,
             triton_args=tuple(shlex.split(env.get("TRITON_ARGS", ""))),
             tokens_file=str(Path(tokens).resolve()) if tokens else None,
             admin_key=env.get(ADMIN_KEY_ENV) or secrets.token_hex(16),
             ray_token=env.get("RAY_AUTH_TOKEN") or secrets.token_hex(32),
         )
+
+
+def cluster_settings(built: manifests.Built, env: Mapping[str, str]
+                     ) -> tuple[Path | None, dict[str, Any]]:
+    """What one Ray cluster runs: MODEL_REPOSITORY (or the build's) and SERVE_CONFIG (or the
+    build's serveConfigV2)."""
+    repo = env.get("MODEL_REPOSITORY")
+    if repo and not Path(repo).is_dir():
+        raise SystemExit(f"MODEL_REPOSITORY={repo} is not a directory")
+    config = built.serve_config
+    if env.get("SERVE_CONFIG"):
+        path = Path(env["SERVE_CONFIG"])
+        if not path.is_file():
+            raise SystemExit(f"SERVE_CONFIG={path} is not a file")
+        config = yaml.safe_load(path.read_text())
+    return (Path(repo).resolve() if repo else None), config
+
+
+def upgrade_settings(text: str) -> dict[str, str]:
+    """The upgrade control file: KEY=VALUE lines, each KEY one of UPGRADE_SETTINGS."""
+    found: dict[str, str] = {}
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        key, eq, value = line.partition("=")
+        if not eq or key.strip() not in UPGRADE_SETTINGS:
+            raise SystemExit(f"upgrade file line {number}: {line!r} is not KEY=VALUE with KEY "
+                             f"one of {', '.join(UPGRADE_SETTINGS)}")
+        found[key.strip()] = value.strip()
+    return found
+
+
+@dataclass
+class RayCluster:
+    """One Ray cluster of the RayService, as KubeRay makes it: a head, the GPU pods Serve and
+    the Ray autoscaler ask for, a token of its own (KubeRay's Secret named after the cluster),
+    and what it runs."""
+
+    name: str
+    head: Pod
+    dashboard: str
+    token: str
+    model_repository: Path | None
+    serve_config: dict[str, Any]
+    deleting: bool = False
 
 
 def _expand(value: str, env: Mapping[str, str]) -> str:
@@ -150,9 +184,14 @@ class ClusterStack:
         for name, text in built.envoy_files.items():
             (self._envoy_dir / name).write_text(text)
         self._made_etc_envoy = False
-        self.head: Pod | None = None
-        self.dashboard = ""
+        self.clusters: dict[str, RayCluster] = {}
+        # The cluster KubeRay's Services (spec.serveService among them) select.
+        self.active = ""
+        self._pod_cluster: dict[str, str] = {}
+        self._labels: dict[str, dict[str, str]] = {}
         self._idle_since: dict[str, float] = {}
+        self._upgrading = threading.Lock()
+        self._stop = threading.Event()
 
     # --- the pods
 
@@ -173,47 +212,58 @@ class ClusterStack:
                 env[name] = str(value)
         return env
 
-    def _ray_env(self, container: manifests.Container) -> dict[str, str]:
+    def _ray_env(self, container: manifests.Container, token: str) -> dict[str, str]:
         env = {**self._container_env(container), **self.built.ray_env}
         env["PYTHONPATH"] = env.get("PYTHONPATH", "").replace(CODE_MOUNT, str(SERVE_DIR))
         # What KubeRay's authOptions gives every Ray container.
-        env |= {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.settings.ray_token,
+        env |= {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token,
                 "RAY_USAGE_STATS_ENABLED": "0"}
         return env
 
-    def _ray_start(self, params: dict[str, str], head: bool, ip: str) -> list[str]:
-        """`ray start` as KubeRay builds it from rayStartParams."""
+    def _ray_start(self, params: dict[str, str], ip: str, cluster: RayCluster | None,
+                   temp_dir: Path | None = None) -> list[str]:
+        """`ray start` as KubeRay builds it from rayStartParams: a head (no cluster yet), or
+        a worker of `cluster`."""
         ray = Path(sys.executable).with_name("ray")
         cmd = [str(ray), "start", "--block", "--disable-usage-stats", f"--node-ip-address={ip}",
                # A small object store: every node of this machine shares its memory.
                "--object-store-memory=300000000"]
-        if head:
-            cmd += ["--head", f"--port={GCS_PORT}", f"--temp-dir={self.workdir / 'ray'}"]
+        if cluster is None:
+            cmd += ["--head", f"--port={GCS_PORT}", f"--temp-dir={temp_dir}"]
         else:
-            assert self.head is not None
-            cmd += [f"--address={self.head.ip}:{GCS_PORT}", "--num-cpus=1",
+            cmd += [f"--address={cluster.head.ip}:{GCS_PORT}", "--num-cpus=1",
                     f"--resources={json.dumps({'triton': 1})}"]
         cmd += [f"--{key}={value}" for key, value in params.items()]
         return cmd
 
-    def _new_pod(self, kind: str) -> Pod:
+    def _new_pod(self, kind: str, cluster: RayCluster | None = None) -> Pod:
         with self._lock:
             name = f"{kind}-{self._counters[kind]}"
             self._counters[kind] += 1
         etc = {"envoy": self._envoy_dir} if kind == "gateway" else None
         net = self.network.add_pod(name, dns.resolv_conf(str(network.BRIDGE_IP),
                                                          self.built.namespace), etc)
-        containers = (self._gateway_containers() if kind == "gateway"
-                      else self._triton_containers(net.ip))
+        if cluster is None:
+            containers = self._gateway_containers()
+            labels = dict(self.built.labels["gateway"])
+        else:
+            containers = self._triton_containers(net.ip, cluster)
+            # What KubeRay v1.7.0 adds to a RayService's worker pods (BuildPod, pod.go):
+            # the cluster's name, and ray.io/serve "true" (a worker's readiness decides).
+            labels = {**self.built.labels["worker"], "ray.io/cluster": cluster.name,
+                      "ray.io/node-type": "worker", "ray.io/serve": "true"}
         template = self.built.gateway if kind == "gateway" else self.built.worker
         pod = Pod(name, net, containers, template.grace_s, self.workdir, say, self.reconcile)
         with self._lock:
             self.pods[name] = pod
+            self._labels[name] = labels
+            if cluster is not None:
+                self._pod_cluster[name] = cluster.name
         pod.start()
         say(f"{name}: created at {net.ip} (namespace {net.namespace})")
         return pod
 
-    def _triton_containers(self, ip: str) -> list[ContainerSpec]:
+    def _triton_containers(self, ip: str, cluster: RayCluster) -> list[ContainerSpec]:
         worker = self.built.worker
         ray = worker.containers["ray-worker"]
         tri = worker.containers["triton"]
@@ -221,19 +271,20 @@ class ClusterStack:
         argv = [_expand(a, triton_env) for a in tri.command]
         binary = str(triton.server_binary())
         argv = [binary if a == "tritonserver" else a for a in argv]
-        repository = self.settings.model_repository or DEFAULT_MODELS
+        repository = cluster.model_repository or DEFAULT_MODELS
         keep = []
         for arg in argv:
             if arg.startswith("--model-repository="):
                 arg = f"--model-repository={repository}"
-            elif self.settings.model_repository and arg.startswith(
+            elif cluster.model_repository and arg.startswith(
                     ("--model-control-mode=", "--load-model=")):
                 continue  # MODEL_REPOSITORY: every model in it, as make local loads them
             keep.append(arg)
         argv = [*keep, f"--backend-directory={self._backends}", *self.settings.triton_args]
         return [
-            ContainerSpec("ray-worker", self._ray_start(worker.ray_start_params, False, ip),
-                          self._ray_env(ray), manifests.WORKER_READINESS, None, None),
+            ContainerSpec("ray-worker", self._ray_start(worker.ray_start_params, ip, cluster),
+                          self._ray_env(ray, cluster.token), manifests.WORKER_READINESS, None,
+                          None),
             ContainerSpec("triton", argv, triton_env, tri.readiness, tri.startup, tri.prestop),
         ]
 
@@ -249,13 +300,26 @@ class ClusterStack:
     # --- controllers
 
     def reconcile(self) -> None:
-        """The endpoints controller, CoreDNS's records and kube-proxy's rules in one: ready,
-        non-terminating pods of each kind, published."""
+        """The endpoints controller, CoreDNS's records and kube-proxy's rules in one: the
+        ready, non-terminating pods each Service selects, published. The build's headless
+        Services select by their labels; spec.serveService as KubeRay sets its selector: the
+        cluster it made active, `ray.io/serve: "true"`."""
         with self._lock:
-            tritons = [p.ip for n, p in self.pods.items() if n.startswith("triton-") and p.ready]
+            members = [(p, self._labels[n]) for n, p in self.pods.items()]
+            members += [(c.head, self._labels[c.head.name]) for c in self.clusters.values()]
+            active = self.active
             gateways = [p.ip for n, p in self.pods.items() if n.startswith("gateway-")
                         and p.ready]
-        self.dns.publish("triton-pods", tritons)
+
+        def selected(selector: dict[str, str]) -> list[str]:
+            return [pod.ip for pod, labels in members
+                    if pod.ready and selector.items() <= labels.items()]
+
+        for name, selector in self.built.headless.items():
+            self.dns.publish(name, selected(selector))
+        if self.built.serve_service:
+            self.dns.publish(self.built.serve_service,
+                             selected({"ray.io/cluster": active, "ray.io/serve": "true"}))
         if gateways != self.service.endpoints:
             self.service.set_endpoints(gateways)
             say(f"service {SERVICE_IP}: endpoints {sorted(gateways)}")
@@ -276,6 +340,15 @@ class ClusterStack:
         threading.Thread(target=run, name=f"delete {pod.name}", daemon=True).start()
 
     def _control_files(self) -> None:
+        upgrade = self.pods_dir / "upgrade"
+        if upgrade.exists():
+            text = upgrade.read_text()
+            upgrade.unlink()
+            if not self._upgrading.acquire(blocking=False):
+                say("upgrade: refused; an upgrade is already running")
+            else:
+                threading.Thread(target=self._upgrade, args=(text,), name="upgrade",
+                                 daemon=True).start()
         with self._lock:
             pods = list(self.pods.values())
         for pod in pods:
@@ -294,11 +367,14 @@ class ClusterStack:
         for _ in range(self.settings.gateways - len(self._live("gateway"))):
             self._new_pod("gateway")
 
-    def _triton_owner(self) -> None:
-        """Serve and the Ray autoscaler: a GPU pod for every replica Serve wants that has no
-        pod, up to the group's maxReplicas; a pod with no replica for idleTimeoutSeconds goes."""
+    def _triton_owner(self, cluster: RayCluster) -> None:
+        """Serve and the Ray autoscaler of one cluster: a GPU pod for every replica Serve
+        wants that has no pod, up to the group's maxReplicas; a pod with no replica for
+        idleTimeoutSeconds goes."""
+        if cluster.deleting:
+            return
         try:
-            app = ray_cluster.application(self.dashboard, self.settings.ray_token)
+            app = ray_cluster.application(cluster.dashboard, cluster.token)
         except (urllib.error.URLError, OSError, ValueError):
             return
         deployment = ray_cluster.deployment_of(app)
@@ -306,9 +382,13 @@ class ClusterStack:
             return
         wanted = min(int(deployment.get("target_num_replicas", 0)),
                      self.built.worker_max_replicas)
-        live = self._live("triton")
-        for _ in range(wanted - len(live)):
-            self._new_pod("triton")
+        live = self._cluster_pods(cluster)
+        # One GPU pod starting at a time: a Ray node must register within 30 s (Ray 2.60's
+        # node.py), which this machine's two cores cannot give several beside a loaded cluster.
+        starting = [p for p in live if not p.ready and time.monotonic() - p.created_at
+                    < STARTING_S]
+        if len(live) < wanted and not starting:
+            self._new_pod("triton", cluster)
         holding = {r.get("node_ip") for r in deployment.get("replicas", [])}
         now = time.monotonic()
         for pod in live:
@@ -316,7 +396,7 @@ class ClusterStack:
                 self._idle_since.pop(pod.name, None)
                 continue
             since = self._idle_since.setdefault(pod.name, now)
-            if now - since >= self.built.idle_timeout_s and len(self._live("triton")) > wanted:
+            if now - since >= self.built.idle_timeout_s and len(self._cluster_pods(cluster)) > wanted:
                 say(f"{pod.name}: idle for {self.built.idle_timeout_s:.0f}s; the autoscaler "
                     "removes it")
                 self._delete(pod)
@@ -332,7 +412,10 @@ class ClusterStack:
             if time.monotonic() >= next_owner:
                 next_owner = time.monotonic() + 1.0
                 self._gateway_owner()
-                self._triton_owner()
+                with self._lock:
+                    clusters = list(self.clusters.values())
+                for cluster in clusters:
+                    self._triton_owner(cluster)
 
     # --- start and stop
 
@@ -347,29 +430,126 @@ class ClusterStack:
             self._made_etc_envoy = True
         self.dns.start()
         self.service.start()
-        head = self.built.head.containers["ray-head"]
-        net = self.network.add_pod(HEAD, dns.resolv_conf(str(network.BRIDGE_IP),
-                                                         self.built.namespace))
-        params = {**self.built.head.ray_start_params}
-        self.head = Pod(HEAD, net, [ContainerSpec(
-            "ray-head", self._ray_start(params, True, net.ip), self._ray_env(head), None, None,
-            None)], self.built.head.grace_s, self.workdir, say, lambda: None)
-        self.head.start()
-        self.dashboard = f"http://{net.ip}:8265"
-        say(f"{HEAD}: Ray head at {net.ip} (dashboard {self.dashboard})")
-
-        until("the Ray head", lambda: ray_cluster.dashboard_answers(self.dashboard, s.ray_token),
-              240, every_s=0.5, note=say)
-        for _ in range(s.tritons):
-            self._new_pod("triton")
-        say("deploying the Serve config")
-        ray_cluster.http("PUT", f"{self.dashboard}/api/serve/applications/", s.ray_token,
-                         s.serve_config, timeout_s=180)
+        first = self._start_cluster(s.ray_token, s.model_repository, s.serve_config, s.tritons)
+        with self._lock:
+            self.active = first.name
         for _ in range(s.gateways):
             self._new_pod("gateway")
         loop = threading.Thread(target=self._guarded_loop, args=(stop,), daemon=True)
         loop.start()
         self._wait_ready(stop)
+
+    def _start_cluster(self, token: str, model_repository: Path | None,
+                       serve_config: dict[str, Any], pods: int) -> RayCluster:
+        """A Ray cluster as KubeRay creates one for the RayService: its head, `pods` GPU pods
+        from the worker group's replicas, then the Serve config through the dashboard."""
+        index = len(self.clusters)
+        name = f"triton-{secrets.token_hex(3)}"
+        head_name = HEAD if index == 0 else f"{HEAD}-{index}"
+        container = self.built.head.containers["ray-head"]
+        net = self.network.add_pod(head_name, dns.resolv_conf(str(network.BRIDGE_IP),
+                                                              self.built.namespace))
+        params = {**self.built.head.ray_start_params}
+        readiness = manifests.head_readiness(int(params.get("dashboard-agent-listen-port",
+                                                            AGENT_PORT)))
+        head = Pod(head_name, net, [ContainerSpec(
+            "ray-head", self._ray_start(params, net.ip, None, self.workdir / f"ray-{index}"),
+            self._ray_env(container, token), readiness, None, None)], self.built.head.grace_s,
+            self.workdir, say, lambda: None)
+        cluster = RayCluster(name, head, f"http://{net.ip}:8265", token, model_repository,
+                             serve_config)
+        with self._lock:
+            # KubeRay's head labels: ray.io/serve "false" while excludeHeadPodFromServeSvc
+            # (rayservice_controller.go), otherwise "true" while its proxy is healthy.
+            self._labels[head_name] = {**self.built.labels["head"], "ray.io/cluster": name,
+                                       "ray.io/node-type": "head",
+                                       "ray.io/serve": str(not self.built.exclude_head).lower()}
+            self.clusters[name] = cluster
+        head.start()
+        say(f"{head_name}: Ray head of cluster {name} at {net.ip} (dashboard "
+            f"{cluster.dashboard})")
+        until(f"{head_name} to be ready", lambda: self._stop.is_set() or head.ready or
+              "not ready", 300, every_s=0.5, note=say)
+        until("the Ray dashboard", lambda: self._stop.is_set() or ray_cluster.dashboard_answers(
+            cluster.dashboard, token), 240, every_s=0.5, note=say)
+        for _ in range(pods):
+            self._new_pod("triton", cluster)
+        say(f"deploying the Serve config to {name}")
+
+        def deployed() -> bool | str:
+            # KubeRay sends it again at its next reconcile when a call fails.
+            if self._stop.is_set():
+                return True
+            try:
+                ray_cluster.http("PUT", f"{cluster.dashboard}/api/serve/applications/", token,
+                                 serve_config, timeout_s=180)
+                return True
+            except (urllib.error.URLError, OSError) as error:
+                return str(error)
+
+        until(f"the Serve config deployed to {name}", deployed, 600, every_s=2, note=say)
+        return cluster
+
+    def _running_replicas(self, cluster: RayCluster) -> int | str:
+        try:
+            app = ray_cluster.application(cluster.dashboard, cluster.token)
+        except (urllib.error.URLError, OSError, ValueError) as error:
+            return f"unknown ({error})"
+        return sum(1 for r in ray_cluster.deployment_of(app).get("replicas", [])
+                   if r.get("state") == "RUNNING")
+
+    def _cluster_pods(self, cluster: RayCluster) -> list[Pod]:
+        return [p for p in self._live("triton") if self._pod_cluster.get(p.name) == cluster.name]
+
+    def _upgrade(self, text: str) -> None:
+        """KubeRay v1.7.0's NewCluster upgrade (rayservice_controller.go): a pending cluster
+        with the new settings; once every Serve application on it is RUNNING, KubeRay's
+        Services (reconcileServices) select it; rayClusterDeletionDelaySeconds later the old
+        cluster is deleted, each of its pods as `kubectl delete pod` does."""
+        try:
+            env = upgrade_settings(text)
+            repo, config = cluster_settings(self.built, env)
+            with self._lock:
+                old = self.clusters[self.active]
+            if "MODEL_REPOSITORY" not in env:
+                repo = old.model_repository
+            if "SERVE_CONFIG" not in env:
+                config = old.serve_config
+            # Its GPU pods come as Serve asks for them, one at a time (_triton_owner).
+            pending = self._start_cluster(secrets.token_hex(32), repo, config, 0)
+            say(f"upgrade: cluster {pending.name} pending, {old.name} active")
+            until(f"every Serve application of {pending.name} RUNNING",
+                  lambda: self._stop.is_set() or ray_cluster.applications_running(
+                      pending.dashboard, pending.token), READY_TIMEOUT_S, every_s=1)
+            running = {c.name: self._running_replicas(c) for c in (old, pending)}
+            with self._lock:
+                self.active = pending.name
+            self.reconcile()
+            say(f"upgrade: KubeRay's Services select {pending.name}; Serve replicas running: "
+                f"{running[pending.name]} there, {running[old.name]} in {old.name}")
+            if self._stop.wait(self.built.deletion_delay_s):
+                return
+            say(f"upgrade: deleting cluster {old.name} "
+                f"({self.built.deletion_delay_s:.0f}s after the switch)")
+            old.deleting = True
+            pods = [*self._cluster_pods(old), old.head]
+            threads = [threading.Thread(target=p.delete, daemon=True) for p in pods]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            with self._lock:
+                for pod in pods:
+                    self.pods.pop(pod.name, None)
+                self.clusters.pop(old.name, None)
+            for pod in pods:
+                self.network.remove_pod(pod.name)
+                shutil.rmtree(pod.dir, ignore_errors=True)
+            say(f"upgrade: done; cluster {old.name} deleted")
+        except (SystemExit, TimeoutError, OSError, urllib.error.URLError, ValueError) as error:
+            say(f"upgrade: failed: {error}")
+        finally:
+            self._upgrading.release()
 
     def _guarded_loop(self, stop: threading.Event) -> None:
         try:
@@ -413,8 +593,9 @@ class ClusterStack:
             thread.start()
         for thread in threads:
             thread.join(timeout=30)
-        if self.head is not None:
-            self.head.kill()
+        self._stop.set()
+        for cluster in list(self.clusters.values()):
+            cluster.head.kill()
         self.dns.stop()
         self.service.stop()
         self.network.stop()
@@ -433,32 +614,11 @@ def main() -> int:
     _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     built = manifests.read(manifests.build())
-    settings = ClusterSettings.from_env(built)
-    stop = threading.Event()
+    stack = ClusterStack(built, ClusterSettings.from_env(built))
 
-    def on_signal(signum: int, _frame: Any) -> None:
-        if stop.is_set():
-            return
-        stop.set()
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
-    stack = ClusterStack(built, settings)
-    try:
+    def run(stop: threading.Event) -> None:
         stack.start(stop)
         while not stop.wait(1.0):
             pass
-        return 0
-    except KeyboardInterrupt:
-        return 0
-    except (SystemExit, network.NetworkError, TimeoutError) as error:
-        code = error.code if isinstance(error, SystemExit) else str(error)
-        if code not in (None, 0):
-            say(f"error: {code}")
-        return 1
-    finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        stack.stop()
 
+    return run_until_signalled(run, stack.stop, say, (network.NetworkError, TimeoutError))

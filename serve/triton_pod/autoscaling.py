@@ -1,5 +1,7 @@
 """The custom autoscaling policy that the Serve config names by import path: replicas (one GPU
-pod each) from the Triton queue time each replica reports (triton_metrics.py).
+pod each) from the Triton queue time each replica reports (triton_metrics.py), and, while a
+new Ray cluster comes up beside the one serving, at least as many as the gateway balances over
+(gateway_hosts.py).
 
 Serve applies min/max replicas, upscale and downscale delays after this returns. It runs in
 the Serve controller every control loop, so it only does arithmetic.
@@ -7,23 +9,46 @@ the Serve controller every control loop, so it only does arithmetic.
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
+from .gateway_hosts import GatewayHosts
 from .triton_metrics import QUEUE_METRIC
+
+logger = logging.getLogger("ray.serve")
 
 
 class TritonQueueTimePolicy:
     """Kubernetes' HPA rule on queue milliseconds per execution: desired replicas =
-    ceil(current x observed / target), left alone within `tolerance` of the target."""
+    ceil(current x observed / target), left alone within `tolerance` of the target.
 
-    def __init__(self, target_queue_ms_per_exec: float = 100.0, tolerance: float = 0.1) -> None:
+    With `gateway_stats_url`, a deployment that starts holds the gateway's count of healthy
+    Tritons as its floor until it runs that many, waiting `gateway_wait_s` at most for a first
+    answer. Serve keeps a deployment UPDATING (its application DEPLOYING) while fewer replicas
+    than min_replicas run and its target rises (Ray 2.60, DeploymentState.autoscale), and
+    KubeRay switches to a new cluster only when its applications are RUNNING: so in an upgrade
+    the new cluster takes the load with as many GPU pods as served it. In a cluster already
+    serving, the count is its own: caught up at once."""
+
+    def __init__(self, target_queue_ms_per_exec: float = 100.0, tolerance: float = 0.1,
+                 gateway_stats_url: str | None = None, gateway_wait_s: float = 60.0) -> None:
         if target_queue_ms_per_exec <= 0:
             raise ValueError("target_queue_ms_per_exec must be positive")
+        if gateway_wait_s < 0:
+            raise ValueError("gateway_wait_s must not be negative")
         self.target = float(target_queue_ms_per_exec)
         self.tolerance = float(tolerance)
+        self.gateway = GatewayHosts(gateway_stats_url) if gateway_stats_url else None
+        self.gateway_wait_s = float(gateway_wait_s)
 
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
+        state = dict(getattr(ctx, "policy_state", None) or {})
+        decision, found = self._queue_decision(ctx)
+        floor = self._floor(ctx, state)
+        return max(decision, floor), {**state, **found}
+
+    def _queue_decision(self, ctx: Any) -> tuple[int, dict[str, Any]]:
         current = ctx.current_num_replicas
         reported = (ctx.aggregated_metrics or {}).get(QUEUE_METRIC) or {}
         if current == 0 or not reported:
@@ -34,3 +59,22 @@ class TritonQueueTimePolicy:
         if abs(ratio - 1.0) <= self.tolerance:
             return current, {"queue_ms_per_exec": observed}
         return max(1, math.ceil(current * ratio)), {"queue_ms_per_exec": observed}
+
+    def _floor(self, ctx: Any, state: dict[str, Any]) -> int:
+        """The gateway's Tritons while this deployment has not run as many yet; 0 after."""
+        if self.gateway is None or state.get("caught_up"):
+            return 0
+        now = float(getattr(ctx, "current_time", 0.0))
+        since = state.setdefault("floor_since", now)
+        seen = self.gateway.count
+        floor = max(int(state.get("floor", 0)), seen or 0)
+        state["floor"] = floor
+        if seen is None and now - since < self.gateway_wait_s:
+            return floor
+        if seen is None:
+            logger.warning("TritonQueueTimePolicy: no count of the gateway's Tritons within "
+                           "%.0fs (%s); scaling on queue time alone", self.gateway_wait_s,
+                           self.gateway.error)
+        if ctx.current_num_replicas >= floor:
+            state["caught_up"] = True
+        return floor

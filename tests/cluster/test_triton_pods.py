@@ -221,7 +221,7 @@ def test_a_triton_pod_deleted_under_load_fails_no_call(cluster: Cluster) -> None
     assert timings["first calls after ready"] < cluster.built_dns_ttl + 2 + 3
 
 
-# Last in this folder (its pod is gone for good; the package's cluster stops after it).
+# Last in this file (its pod is gone for good until its owner replaces it).
 def test_a_vanished_pod_ends_its_calls_within_the_keepalive_time(cluster: Cluster) -> None:
     pod = _tritons(cluster)[0]
     ip = cluster.pod_ip(pod)

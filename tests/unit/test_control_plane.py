@@ -14,6 +14,7 @@ import pytest
 
 from triton_pod.access import TokenCheck
 from triton_pod.autoscaling import TritonQueueTimePolicy
+from triton_pod.gateway_hosts import TRITON_CLUSTER, healthy_hosts
 from triton_pod.grpc_forwarding import _forwarded_metadata
 from triton_pod.servicer import TIMEOUT_KEY, _ContextWithDeadline, add_triton_servicer
 from triton_pod.triton_metrics import QUEUE_METRIC, Counters, QueueTime, parse
@@ -44,10 +45,12 @@ def test_queue_time_is_per_execution_since_the_last_scrape() -> None:
     assert signal.update(Counters(10, 1, 0)) == 0.0
 
 
-def _context(current: int, values: list[float], target: int | None = None) -> Any:
+def _context(current: int, values: list[float], target: int | None = None,
+             state: dict[str, Any] | None = None, now: float = 0.0) -> Any:
     metrics = {QUEUE_METRIC: {f"replica-{i}": v for i, v in enumerate(values)}} if values else {}
     return SimpleNamespace(current_num_replicas=current, target_num_replicas=target or current,
-                           aggregated_metrics=metrics)
+                           aggregated_metrics=metrics, policy_state=state or {},
+                           current_time=now)
 
 
 @pytest.mark.parametrize(("current", "values", "wanted"), [
@@ -67,6 +70,68 @@ def test_policy_scales_by_the_ratio_to_the_target(current: int, values: list[flo
 
 def test_policy_keeps_serves_decision_until_replicas_report() -> None:
     assert TritonQueueTimePolicy()(_context(2, [], target=3)) == (3, {})
+    with pytest.raises(ValueError, match="negative"):
+        TritonQueueTimePolicy(gateway_wait_s=-1)
+
+
+ENVOY_STATS = f"""# TYPE envoy_cluster_membership_healthy gauge
+envoy_cluster_membership_healthy{{envoy_cluster_name="envoy-admin"}} 1
+envoy_cluster_membership_healthy{{envoy_cluster_name="{TRITON_CLUSTER}"}} 3
+envoy_cluster_membership_healthy{{envoy_cluster_name="triton-http"}} 2
+"""
+
+
+def test_the_gateways_healthy_tritons_are_read_from_its_stats() -> None:
+    from gateway.routes import GRPC_CLUSTER
+
+    assert TRITON_CLUSTER == GRPC_CLUSTER  # the name the gateway's config gives the cluster
+    assert healthy_hosts(ENVOY_STATS) == 3
+    assert healthy_hosts(ENVOY_STATS, "triton-http") == 2
+    assert healthy_hosts("envoy_cluster_upstream_rq_total{} 4\n") is None
+
+
+class _Gateway:
+    def __init__(self, count: int | None) -> None:
+        self.count, self.error = count, "connection refused"
+
+
+def _with_gateway(count: int | None, wait_s: float = 60.0) -> TritonQueueTimePolicy:
+    policy = TritonQueueTimePolicy(target_queue_ms_per_exec=100, gateway_wait_s=wait_s)
+    policy.gateway = _Gateway(count)  # type: ignore[assignment]
+    return policy
+
+
+def test_a_new_cluster_holds_the_gateways_count_until_it_runs_as_many() -> None:
+    # An upgrade: the gateway balances over the old cluster's 3 Tritons; the new deployment
+    # starts with none running and min_replicas 1.
+    policy = _with_gateway(3)
+    decision, state = policy(_context(0, [], target=1, now=100.0))
+    assert decision == 3 and not state.get("caught_up")
+    # Idle new replicas report no queue time: the floor still holds.
+    decision, state = policy(_context(2, [0.0, 0.0], target=3, state=state, now=110.0))
+    assert decision == 3 and not state.get("caught_up")
+    decision, state = policy(_context(3, [0.0] * 3, target=3, state=state, now=120.0))
+    assert decision == 3 and state["caught_up"]
+    # From then on queue time alone decides.
+    assert policy(_context(3, [0.0] * 3, target=3, state=state, now=130.0))[0] == 1
+
+
+def test_a_cluster_already_serving_is_caught_up_at_once() -> None:
+    policy = _with_gateway(2)
+    decision, state = policy(_context(2, [20.0, 20.0], target=2, now=0.0))
+    assert state["caught_up"] and decision == 2
+    assert policy(_context(2, [20.0, 20.0], target=2, state=state, now=5.0))[0] == 1
+
+
+def test_without_an_answer_from_the_gateway_the_policy_waits_then_goes_on_alone(
+        caplog: pytest.LogCaptureFixture) -> None:
+    policy = _with_gateway(None, wait_s=30)
+    decision, state = policy(_context(0, [], target=1, now=0.0))
+    assert decision == 1 and not state.get("caught_up")
+    with caplog.at_level(logging.WARNING, logger="ray.serve"):
+        decision, state = policy(_context(1, [], target=1, state=state, now=31.0))
+    assert decision == 1 and state["caught_up"]
+    assert "connection refused" in caplog.text
 
 
 def test_policy_refuses_a_target_that_cannot_work() -> None:

@@ -77,7 +77,10 @@ def test_gateway_mounts_the_envoy_config_of_gateway_dir(overlay: str) -> None:
     assert {"name": "config", "configMap": {"name": config["metadata"]["name"]}} in volumes
     (client,) = [o for o in built if o["kind"] == "Service" and o["metadata"]["name"] == "triton-grpc"]
     assert client["spec"]["selector"] == gateway["spec"]["selector"]["matchLabels"]
-    assert "serveService" not in rayservice(yaml.safe_dump_all(built))["spec"]
+    # What Envoy resolves is KubeRay's headless serve Service (invariant
+    # gateway-follows-active-cluster), not the clients' Service.
+    assert rayservice(yaml.safe_dump_all(built))["spec"]["serveService"]["metadata"]["name"] == (
+        "triton-pods")
 
 
 def test_forwarder_code_is_mounted_from_a_generated_configmap() -> None:

@@ -1,0 +1,159 @@
+"""KubeRay's NewCluster upgrade under load, with a changed model set and a Serve config whose
+min_replicas is below what serves the load: the gateway sends calls to the old cluster's
+Tritons until KubeRay switches its Services, then to the new cluster's; never to a Triton that
+does not serve the model, no call is lost on the way, and the new cluster runs as many Tritons
+at the switch as the old one did."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import tritonclient.grpc.aio as tc_aio
+from tritonclient.utils import InferenceServerException
+
+from local_stack.harness import (
+    EXAMPLE_MODELS,
+    TEST_MODELS,
+    merged_model_repository,
+    serve_config_with,
+)
+from local_stack.triton_inputs import simple_inputs, tensor
+from tests.support.cluster import OWN_CONNECTION, Calls, Cluster, mixed_load, until
+
+# In the running cluster's model set only; the upgrade drops it.
+OLD_ONLY = "simple_identity"
+# In the new set only: `simple` under a new name, as a new model version would come.
+NEW_ONLY = "simple_new"
+SWITCHED = (r"\[cluster\] upgrade: KubeRay's Services select (\S+); Serve replicas running: "
+            r"(\d+) there, (\d+) in ")
+DONE = r"\[cluster\] upgrade: done; cluster (\S+) deleted$"
+# The gateway's answer when no Triton is healthy (gateway/envoy.yaml, local_reply_config).
+NO_TRITON = "no Triton is ready behind this endpoint"
+
+
+def _new_model_set() -> Path:
+    repo = merged_model_repository([EXAMPLE_MODELS, TEST_MODELS])
+    shutil.rmtree(repo / OLD_ONLY)
+    shutil.copytree(repo / "simple", repo / NEW_ONLY)
+    config = repo / NEW_ONLY / "config.pbtxt"
+    config.write_text(config.read_text().replace('name: "simple"', f'name: "{NEW_ONLY}"'))
+    return repo
+
+
+async def _caller(cluster: Cluster, model: str, stop: threading.Event, calls: Calls) -> None:
+    """Calls `model` in a loop on a connection of its own until `stop`."""
+    client = tc_aio.InferenceServerClient(cluster.grpc_url, channel_args=OWN_CONNECTION)
+    try:
+        while not stop.is_set():
+            if model == OLD_ONLY:
+                inputs = [tensor("INPUT0", np.array([[b"old"]], dtype=np.object_), "BYTES")]
+            else:
+                ones = np.ones((1, 16), dtype=np.int32)
+                inputs = list(simple_inputs(ones, ones))
+            started = time.monotonic()
+            try:
+                await client.infer(model, inputs, client_timeout=60)
+                calls.add(model, started, "OK")
+            except InferenceServerException as error:
+                calls.add(model, started, f"{error.status()}: {error.message()}")
+                await asyncio.sleep(0.05)
+    finally:
+        await client.close()
+
+
+def _lists_only(cluster: Cluster, ips: set[str]) -> object:
+    """True once every ready gateway pod's Envoy has exactly `ips`, all healthy."""
+    for gateway in cluster.ready_pods("gateway"):
+        hosts = cluster.envoy_hosts(gateway)
+        if {ip for ip, flags in hosts.items() if not flags} != ips or set(hosts) != ips:
+            return f"{gateway} has {hosts}, wants {sorted(ips)} healthy"
+    return True
+
+
+def test_an_upgrade_changing_the_model_set_sends_no_call_to_a_triton_without_the_model(
+        cluster: Cluster, tmp_path: Path) -> None:
+    old_pods = cluster.settled(3)
+    new_repo = _new_model_set()
+    # The new cluster may scale down to 1 GPU pod, later, when its queue time says so.
+    new_config = serve_config_with(tmp_path, autoscaling={"min_replicas": 1, "max_replicas": 3})
+    mark = cluster.line_index()
+    common, old_only, new_only = Calls(), Calls(), Calls()
+    stop_old, stop_new, stop_all = threading.Event(), threading.Event(), threading.Event()
+    timings: dict[str, float] = {}
+    problems: list[str] = []
+    replicas_at_switch: list[int] = []
+
+    def upgrade() -> list[str]:
+        (cluster.pods_dir / "upgrade").write_text(f"MODEL_REPOSITORY={new_repo}\n"
+                                                  f"SERVE_CONFIG={new_config}\n")
+        switch = cluster.wait_for(SWITCHED, 600, after=mark)
+        timings["switched at"] = time.monotonic()
+        replicas_at_switch.extend([int(switch.group(2)), int(switch.group(3))])
+        switched_at = time.monotonic()
+        stop_old.set()
+        new_pods = [m.group(1) for m in (re.match(r"\[cluster\] (triton-\d+): created at ",
+                                                  line) for line in cluster.process.lines[mark:])
+                    if m]
+        ips = {cluster.pod_ip(pod) for pod in new_pods}
+        try:
+            until("the gateways to list the new cluster's pods only",
+                  lambda: _lists_only(cluster, ips), cluster.built_dns_ttl + 30, every_s=0.5)
+            timings["switch to new pods only"] = time.monotonic() - switched_at
+        except TimeoutError as error:
+            problems.append(str(error))
+        return new_pods
+
+    async def main() -> list[str]:
+        stop = asyncio.Event()
+        load = asyncio.ensure_future(mixed_load(cluster, stop, common, grpc_clients=2,
+                                                 http_clients=1, stream_clients=1))
+        old = [asyncio.ensure_future(_caller(cluster, OLD_ONLY, stop_old, old_only))
+               for _ in range(2)]
+        await asyncio.sleep(2)
+        try:
+            new_pods = await asyncio.to_thread(upgrade)
+            new = [asyncio.ensure_future(_caller(cluster, NEW_ONLY, stop_new, new_only))
+                   for _ in range(2)]
+            await asyncio.to_thread(cluster.wait_for, DONE, 300, mark)
+            stop_new.set()
+            await asyncio.gather(*new)
+            return new_pods
+        finally:
+            stop_old.set()
+            stop_new.set()
+            stop_all.set()
+            stop.set()
+            await asyncio.gather(load, *old)
+
+    new_pods = asyncio.run(main())
+    switched = timings.pop("switched at", 0.0)
+    failed_at = sorted(round(c[1] - switched, 1) for c in common.failed() + new_only.failed())
+    print(f"upgrade {old_pods} -> {new_pods}: {common.summary()}; {old_only.summary()}; "
+          f"{new_only.summary()}; {timings}; replicas at the switch (new, old) "
+          f"{replicas_at_switch}; {len(failed_at)} failed calls, started "
+          f"{failed_at[:1]}..{failed_at[-1:]} s after the switch")
+    # Capacity: KubeRay switched only once the new cluster ran as many as the old one.
+    assert replicas_at_switch[0] >= replicas_at_switch[1] == 3, replicas_at_switch
+    # The models of both sets: every call answered through the switch and the deletion, but
+    # for the moment each gateway pod's whole list of Tritons is replaced: Envoy takes a new
+    # host as unhealthy until its first health check passes (docs/operations.md, Upgrades).
+    # Those calls end at once with the gateway's retryable "no Triton is ready"; none hangs,
+    # is reset, or reaches a Triton without its model.
+    assert common.count("grpc") > 100 and common.count("stream") > 20, common.summary()
+    other = [c for c in common.failed() + new_only.failed() if NO_TRITON not in c[2]
+             or c[3] > 1.0]
+    assert other == [], other[:10]
+    # The old set's model until the switch: only the old cluster's Tritons got its calls.
+    assert old_only.count() > 50, old_only.summary()
+    assert old_only.failed() == [], old_only.failed()[:10]
+    # The gateways follow the new cluster within the DNS TTL of the switch.
+    assert problems == []
+    # The new set's model once the gateways follow the new cluster: only its Tritons.
+    assert new_only.count() > 50, new_only.summary()
+    assert set(cluster.ready_pods("triton")) == set(new_pods)
