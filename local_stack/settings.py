@@ -121,20 +121,33 @@ class Settings:
         settings.check_ports()
         return settings
 
-    def check_ports(self) -> None:
-        ports = {
+    def port_variables(self) -> dict[str, int]:
+        """Every port variable and its value (Triton's for pod 0): docs/local.md's table is
+        checked against these (tests/unit/test_local_ports.py)."""
+        return {
             "GRPC_PORT": self.grpc_port,
             "HTTP_PORT": self.http_port,
+            "TRITON_HTTP_PORT": self.triton_base.http,
+            "TRITON_GRPC_PORT": self.triton_base.grpc,
+            "TRITON_METRICS_PORT": self.triton_base.metrics,
+            "GATEWAY_METRICS_PORT": self.gateway_metrics_port,
+            "GATEWAY_ADMIN_PORT": self.gateway_admin_port,
+            "SERVE_GRPC_PORT": self.serve_grpc_port,
+            "SERVE_HTTP_PORT": self.serve_http_port,
             "RAY_GCS_PORT": self.gcs_port,
             "RAY_DASHBOARD_PORT": self.dashboard_port,
+            "PROMETHEUS_PORT": self.prometheus_port,
         }
+
+    def check_ports(self) -> None:
+        every = self.port_variables()
+        used = ["GRPC_PORT", "HTTP_PORT", "RAY_GCS_PORT", "RAY_DASHBOARD_PORT"]
         if self.data_path == "gateway":
-            ports |= {"SERVE_GRPC_PORT": self.serve_grpc_port,
-                      "SERVE_HTTP_PORT": self.serve_http_port,
-                      "GATEWAY_METRICS_PORT": self.gateway_metrics_port,
-                      "GATEWAY_ADMIN_PORT": self.gateway_admin_port}
+            used += ["SERVE_GRPC_PORT", "SERVE_HTTP_PORT", "GATEWAY_METRICS_PORT",
+                     "GATEWAY_ADMIN_PORT"]
         if self.observe:
-            ports["PROMETHEUS_PORT"] = self.prometheus_port
+            used.append("PROMETHEUS_PORT")
+        ports = {name: every[name] for name in used}
         for index in range(self.tritons):
             triton = self.triton(index)
             ports |= {f"TRITON_HTTP_PORT (pod {index})": triton.http,

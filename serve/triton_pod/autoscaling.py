@@ -13,7 +13,7 @@ import logging
 import math
 from typing import Any
 
-from .gateway_hosts import GatewayHosts
+from .gateway_hosts import gateway_hosts
 from .triton_metrics import QUEUE_METRIC
 
 logger = logging.getLogger("ray.serve")
@@ -39,7 +39,7 @@ class TritonQueueTimePolicy:
             raise ValueError("gateway_wait_s must not be negative")
         self.target = float(target_queue_ms_per_exec)
         self.tolerance = float(tolerance)
-        self.gateway = GatewayHosts(gateway_stats_url) if gateway_stats_url else None
+        self.gateway = gateway_hosts(gateway_stats_url) if gateway_stats_url else None
         self.gateway_wait_s = float(gateway_wait_s)
 
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:

@@ -6,13 +6,10 @@ does, so the load never finds fewer GPU pods after the switch than served it bef
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 import urllib.error
 import urllib.request
-
-logger = logging.getLogger("ray.serve")
 
 HEALTHY_METRIC = "envoy_cluster_membership_healthy"
 # The gateway's gRPC cluster of Tritons (gateway/envoy.yaml, gateway.routes.GRPC_CLUSTER).
@@ -60,3 +57,16 @@ class GatewayHosts:
             except (urllib.error.URLError, OSError, ValueError) as error:
                 self.error = f"{self.url}: {error}"
             time.sleep(self.every_s)
+
+
+_SHARED: dict[str, GatewayHosts] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def gateway_hosts(url: str) -> GatewayHosts:
+    """One poller per URL in a process: Serve makes a new policy object at every config
+    update, and each must not start a thread of its own."""
+    with _SHARED_LOCK:
+        if url not in _SHARED:
+            _SHARED[url] = GatewayHosts(url)
+        return _SHARED[url]

@@ -10,6 +10,7 @@ import pytest
 
 from local_stack import ports
 from local_stack.harness import READY_LINE
+from local_stack.settings import ROOT, Settings
 
 
 def test_ports_lie_between_rays_worker_ports_and_the_ephemeral_range() -> None:
@@ -51,3 +52,22 @@ def test_the_ready_line_is_the_stacks_own_not_a_traceback_naming_ready() -> None
     assert re.search(READY_LINE, "[local] ready: Triton answers ServerReady through Envoy")
     assert not re.search(READY_LINE, "[local] error: ray::ProxyActor.ready() (pid=1) failed")
     assert not re.search(READY_LINE, "    raise RuntimeError('ProxyActor.ready')")
+
+
+def test_the_port_table_of_docs_local_md_is_the_settings() -> None:
+    """One home for the ports: the table says what Settings uses, every variable once."""
+    table: dict[str, int] = {}
+    for line in (ROOT / "docs" / "local.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) != 3 or not cells[2].startswith("`"):
+            continue
+        variables = re.findall(r"`([A-Z_]+)`", cells[2])
+        numbers = [int(re.match(r"\d+", part).group()) for part in cells[1].split(" / ")]  # type: ignore[union-attr]
+        assert len(variables) == len(numbers), line
+        for variable, number in zip(variables, numbers, strict=True):
+            assert variable not in table, f"{variable} twice in docs/local.md"
+            table[variable] = number
+    settings = Settings.from_env({}).port_variables()
+    wrong = {name: (table.get(name), settings.get(name)) for name in {*table, *settings}
+             if table.get(name) != settings.get(name)}
+    assert wrong == {}, f"docs/local.md's port table vs Settings, (table, settings): {wrong}"
