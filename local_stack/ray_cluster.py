@@ -169,11 +169,16 @@ def dashboard_answers(dashboard: str, token: str) -> bool | str:
         return str(error)
 
 
+def applications(dashboard: str, token: str) -> dict[str, dict[str, Any]]:
+    """Every Serve application as Serve's REST API reports them, by name."""
+    apps: dict[str, dict[str, Any]] = http(
+        "GET", f"{dashboard}/api/serve/applications/", token).get("applications") or {}
+    return apps
+
+
 def application(dashboard: str, token: str) -> dict[str, Any]:
     """The Triton application as Serve's REST API reports it (empty before the first deploy)."""
-    apps = http("GET", f"{dashboard}/api/serve/applications/", token)
-    app: dict[str, Any] = (apps.get("applications") or {}).get(APP) or {}
-    return app
+    return applications(dashboard, token).get(APP) or {}
 
 
 def deployment_of(app: dict[str, Any]) -> dict[str, Any]:
@@ -202,10 +207,10 @@ def applications_running(dashboard: str, token: str) -> bool | str:
     """True once every Serve application reports RUNNING (KubeRay's test before it switches
     its Services to a new cluster), else what they report."""
     try:
-        apps = http("GET", f"{dashboard}/api/serve/applications/", token).get("applications")
+        apps = applications(dashboard, token)
     except (urllib.error.URLError, OSError, ValueError) as error:
         return str(error)
-    statuses = {name: app.get("status") for name, app in (apps or {}).items()}
+    statuses = {name: app.get("status") for name, app in apps.items()}
     if statuses and all(status == "RUNNING" for status in statuses.values()):
         return True
     return str(statuses)

@@ -176,24 +176,23 @@ def _envoy_ports(envoy: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]
     return listeners, admin
 
 
+def _cluster_sockets(envoy: dict[str, Any], cluster: str) -> list[dict[str, Any]]:
+    """The socket addresses of a cluster's endpoints (the Tritons it dials)."""
+    return [endpoint.get("endpoint", {}).get("address", {}).get("socket_address", {})
+            for group in (named(envoy, "clusters", cluster).get("load_assignment") or {})
+            .get("endpoints") or []
+            for endpoint in group.get("lb_endpoints") or []]
+
+
 def _cluster_port(envoy: dict[str, Any], cluster: str) -> Any:
-    """The port of a cluster's endpoint (the Tritons it dials); None without one."""
-    port = None
-    for group in (named(envoy, "clusters", cluster).get("load_assignment") or {}).get(
-            "endpoints") or []:
-        for endpoint in group.get("lb_endpoints") or []:
-            port = _int(endpoint.get("endpoint", {}).get("address", {})
-                        .get("socket_address", {}).get("port_value"))
-    return port
+    """The port of a cluster's endpoint; None without one."""
+    sockets = _cluster_sockets(envoy, cluster)
+    return _int(sockets[-1].get("port_value")) if sockets else None
 
 
 def _cluster_hosts(envoy: dict[str, Any], cluster: str) -> list[str]:
     """The DNS names (or addresses) a cluster's endpoints resolve."""
-    return [str(endpoint.get("endpoint", {}).get("address", {}).get("socket_address", {})
-                .get("address"))
-            for group in (named(envoy, "clusters", cluster).get("load_assignment") or {})
-            .get("endpoints") or []
-            for endpoint in group.get("lb_endpoints") or []]
+    return [str(socket.get("address")) for socket in _cluster_sockets(envoy, cluster)]
 
 
 def _discovery_facts(facts: Facts, envoy: dict[str, Any], spec: dict[str, Any],

@@ -329,7 +329,9 @@ class ClusterStack:
             return [p for n, p in self.pods.items() if n.startswith(f"{kind}-")
                     and not p.terminating]
 
-    def _delete(self, pod: Pod) -> None:
+    def _delete(self, pod: Pod) -> threading.Thread:
+        """`kubectl delete pod` in a thread of its own (returned, started); the pod's
+        namespace and directory go once it is gone."""
         def run() -> None:
             pod.delete()
             with self._lock:
@@ -337,7 +339,9 @@ class ClusterStack:
             self.network.remove_pod(pod.name)
             shutil.rmtree(pod.dir, ignore_errors=True)
 
-        threading.Thread(target=run, name=f"delete {pod.name}", daemon=True).start()
+        thread = threading.Thread(target=run, name=f"delete {pod.name}", daemon=True)
+        thread.start()
+        return thread
 
     def _control_files(self) -> None:
         upgrade = self.pods_dir / "upgrade"
@@ -492,11 +496,10 @@ class ClusterStack:
 
     def _running_replicas(self, cluster: RayCluster) -> int | str:
         try:
-            app = ray_cluster.application(cluster.dashboard, cluster.token)
+            replicas = ray_cluster.replicas(cluster.dashboard, cluster.token)
         except (urllib.error.URLError, OSError, ValueError) as error:
             return f"unknown ({error})"
-        return sum(1 for r in ray_cluster.deployment_of(app).get("replicas", [])
-                   if r.get("state") == "RUNNING")
+        return sum(1 for r in replicas if r.get("state") == "RUNNING")
 
     def _cluster_pods(self, cluster: RayCluster) -> list[Pod]:
         return [p for p in self._live("triton") if self._pod_cluster.get(p.name) == cluster.name]
@@ -532,19 +535,10 @@ class ClusterStack:
             say(f"upgrade: deleting cluster {old.name} "
                 f"({self.built.deletion_delay_s:.0f}s after the switch)")
             old.deleting = True
-            pods = [*self._cluster_pods(old), old.head]
-            threads = [threading.Thread(target=p.delete, daemon=True) for p in pods]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
+            for thread in [self._delete(p) for p in [*self._cluster_pods(old), old.head]]:
                 thread.join()
             with self._lock:
-                for pod in pods:
-                    self.pods.pop(pod.name, None)
                 self.clusters.pop(old.name, None)
-            for pod in pods:
-                self.network.remove_pod(pod.name)
-                shutil.rmtree(pod.dir, ignore_errors=True)
             say(f"upgrade: done; cluster {old.name} deleted")
         except (SystemExit, TimeoutError, OSError, urllib.error.URLError, ValueError) as error:
             say(f"upgrade: failed: {error}")
