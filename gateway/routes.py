@@ -116,26 +116,24 @@ def _match_key(route: dict[str, Any]) -> str:
     return str(match.get("path") or (match.get("safe_regex") or {}).get("regex"))
 
 
-def refusal_problems(envoy: dict[str, Any], serve_config: dict[str, Any]) -> list[str]:
-    """How the config's refused routes differ from what the allow-list asks for."""
+def refusals(envoy: dict[str, Any], serve_config: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per route that the config refuses or allowed_admin_rpcs wants refused: whether
+    the Serve config allows it, whether the config refuses it and, where both refuse it,
+    whether with the forwarder's answer. The rule over them is in schema/invariants.schema.json."""
     allowed = allowed_admin_rpcs(serve_config)
-    problems = []
+    rows: list[dict[str, Any]] = []
     for listener, wanted_routes in ((GRPC_LISTENER, refused_routes(allowed)),
                                     (HTTP_LISTENER, refused_http_routes(allowed))):
         wanted = {_match_key(r): r for r in wanted_routes if "direct_response" in r}
         present = {_match_key(r): r for r in listener_routes(envoy, listener)
                    if "direct_response" in r}
-        for path in sorted(set(wanted) - set(present)):
-            problems.append(f"listener {listener}: {path} is not refused, but "
-                            "allowed_admin_rpcs does not allow it")
-        for path in sorted(set(present) - set(wanted)):
-            problems.append(f"listener {listener}: {path} is refused, but "
-                            "allowed_admin_rpcs allows it")
-        for path in sorted(set(wanted) & set(present)):
-            if present[path] != wanted[path]:
-                problems.append(f"listener {listener}: {path} is refused with another status "
-                                "or message than serve/triton_pod/rpcs.py gives")
-    return problems
+        for path in sorted(set(wanted) | set(present)):
+            row: dict[str, Any] = {"listener": listener, "path": path,
+                                   "allowed": path not in wanted, "refused": path in present}
+            if path in wanted and path in present:
+                row["asForwarder"] = present[path] == wanted[path]
+            rows.append(row)
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:

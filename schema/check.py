@@ -50,8 +50,8 @@ def _dotted(path: Any) -> str:
     return out
 
 
-def _titled(schema: dict[str, Any], schema_path: Any) -> dict[str, Any]:
-    """The deepest subschema with a title along the failing schema path."""
+def _deepest(schema: dict[str, Any], schema_path: Any, key: str) -> dict[str, Any]:
+    """The deepest subschema holding `key` along the failing schema path."""
     node: Any = schema
     best: dict[str, Any] = schema
     for part in schema_path:
@@ -59,7 +59,7 @@ def _titled(schema: dict[str, Any], schema_path: Any) -> dict[str, Any]:
             node = node[part]
         except (KeyError, IndexError, TypeError):
             break
-        if isinstance(node, dict) and "title" in node:
+        if isinstance(node, dict) and key in node:
             best = node
     return best
 
@@ -69,7 +69,9 @@ def invariant_violations(obj: dict[str, Any],
     facts = extract(obj, stream)
     validator = jsonschema.Draft202012Validator(INVARIANTS)
     for error in sorted(validator.iter_errors(facts.values), key=lambda e: list(e.absolute_path)):
-        rule = _titled(INVARIANTS, error.absolute_schema_path)
+        rule = _deepest(INVARIANTS, error.absolute_schema_path, "title")
+        # A rule with several cases words each where it states it.
+        worded = _deepest(INVARIANTS, error.absolute_schema_path, "x-message")
         pointer = "".join(f"/{p}" for p in error.absolute_path)
         source = next((facts.sources[p] for p in _prefixes(pointer) if p in facts.sources),
                       "(whole object)")
@@ -77,11 +79,11 @@ def invariant_violations(obj: dict[str, Any],
         message = f"{label} is {json.dumps(error.instance)}"
         if error.validator == "minItems" and error.instance == []:
             message = f"{label}: none"
-        if "x-message" in rule:
+        if "x-message" in worded:
             # The rule's own wording (schema/invariants.schema.json), with the failing value
             # and the fact around it.
             parent = _at(facts.values, list(error.absolute_path)[:-1])
-            message = rule["x-message"].format(label=label, instance=json.dumps(error.instance),
+            message = worded["x-message"].format(label=label, instance=json.dumps(error.instance),
                                                parent=parent if isinstance(parent, dict) else {})
         if error.validator == "uniqueItems":
             clashes = {str(p): facts.port_owners.get(str(p), []) for p in error.instance

@@ -23,7 +23,7 @@ from gateway.routes import (
     HTTP_CLUSTER,
     HTTP_LISTENER,
     named,
-    refusal_problems,
+    refusals,
 )
 from triton_pod import APP_IMPORT_PATH as FORWARDER_IMPORT_PATH
 from triton_pod.access import ADMIN_HEADER, ADMIN_KEY_NAME, HTTP_ADMIN_HEADER
@@ -268,7 +268,7 @@ def _add_gateway_facts(facts: Facts, stream: list[dict[str, Any]], spec: dict[st
     facts.put("gatewayPorts", [p for p in [*listeners.values(), _int(admin.get("port_value"))]],
               f"{source} listeners and admin")
     facts.put("gatewayAdminAddress", admin.get("address"), f"{source} admin.address")
-    facts.put("gatewayRefusals", refusal_problems(envoy, serve_config),
+    facts.put("gatewayRefusals", refusals(envoy, serve_config),
               f"{source} routes of the triton-grpc and triton-http listeners")
     removed = {name for code in _lua_sources(envoy, files)
                for name in re.findall(r"""remove\(\s*["']([^"']+)["']\s*\)""", code)}
