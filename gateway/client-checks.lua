@@ -5,6 +5,110 @@
 -- restart; an unreadable or emptied file keeps the last good tokens. The header is removed
 -- before the call goes on, so Triton never sees it; nothing here logs a token. A gRPC call is
 -- refused as gRPC refuses (UNAUTHENTICATED), an HTTP request with 401 and Triton's error shape.
+--
+-- Admission (docs/admission.md), with the settings of the `admission` ConfigMap
+-- (gateway/admission.env):
+-- * The start-of-job gate: a RepositoryIndex (what SonicTriton calls when a job starts, and
+--   treats a failed answer as "skip this server") is refused with SONIC_RAY_GATE_STATUS while
+--   no Triton is ready, or while the control plane says the GPUs are saturated
+--   (serve/triton_pod/admission.py, asked at most once a second per worker; an answer older
+--   than SONIC_RAY_GATE_STALE_S, or none, counts as SONIC_RAY_GATE_WHEN_STALE says).
+-- * Backpressure: Triton's own refusal of a call its queue cannot hold (a model's
+--   dynamic_batching.default_queue_policy with max_queue_size and timeout_action REJECT) goes
+--   to the client as RESOURCE_EXHAUSTED / 429 with a retry hint (grpc-retry-pushback-ms,
+--   Retry-After) instead of UNAVAILABLE / 503, which clients read as "this server is down".
+local GRPC_CODES = {CANCELLED = 1, UNKNOWN = 2, INVALID_ARGUMENT = 3, DEADLINE_EXCEEDED = 4,
+                    NOT_FOUND = 5, ALREADY_EXISTS = 6, PERMISSION_DENIED = 7,
+                    RESOURCE_EXHAUSTED = 8, FAILED_PRECONDITION = 9, ABORTED = 10,
+                    OUT_OF_RANGE = 11, UNIMPLEMENTED = 12, INTERNAL = 13, UNAVAILABLE = 14,
+                    DATA_LOSS = 15, UNAUTHENTICATED = 16}
+
+local function setting(name, default)
+  local value = os.getenv(name)
+  if value == nil or value == "" then return default end
+  return value
+end
+
+local function number_setting(name, default)
+  local value = tonumber(setting(name, default))
+  if value == nil or value <= 0 then
+    error(name .. "=" .. tostring(os.getenv(name)) .. " must be a positive number")
+  end
+  return value
+end
+
+local GATE_STATUS_NAME = setting("SONIC_RAY_GATE_STATUS", "CANCELLED")
+local GATE_STATUS = GRPC_CODES[GATE_STATUS_NAME]
+if GATE_STATUS == nil then
+  error("SONIC_RAY_GATE_STATUS=" .. GATE_STATUS_NAME .. " is not a gRPC status name (OK excluded)")
+end
+local WHEN_STALE = setting("SONIC_RAY_GATE_WHEN_STALE", "open")
+if WHEN_STALE ~= "open" and WHEN_STALE ~= "closed" then
+  error("SONIC_RAY_GATE_WHEN_STALE=" .. WHEN_STALE .. " must be open or closed")
+end
+local STALE_S = number_setting("SONIC_RAY_GATE_STALE_S", "10")
+local RETRY_AFTER_S = number_setting("SONIC_RAY_RETRY_AFTER_S", "2")
+local JOB_START_GRPC = "/inference.GRPCInferenceService/RepositoryIndex"
+local JOB_START_HTTP = "/v2/repository/index"
+-- Triton's words when a model's queue policy refuses a call; the gateway's own when it has no
+-- Triton to send a call to (envoy.yaml, local_reply_config).
+local QUEUE_FULL = "Exceeds maximum queue size"
+local NO_TRITON = "no Triton is ready"
+local REFRESH_S = 1
+-- The control plane's last answer: its state, its reason and when it was made (os.time()).
+local gate = {state = nil, reason = "", made_at = nil}
+local asked_at = -REFRESH_S
+local asking_since = nil
+
+local function ask_control_plane(handle, now)
+  -- One question at a time per worker; a stream reset while waiting never resumes, so an
+  -- old question stops counting after two refresh periods.
+  if now - asked_at < REFRESH_S then return end
+  if asking_since ~= nil and now - asking_since < 2 * REFRESH_S then return end
+  asked_at, asking_since = now, now
+  local headers, body = handle:httpCall("control-plane", {
+    [":method"] = "GET", [":path"] = "/admission", [":authority"] = "control-plane"
+  }, nil, 100)
+  asking_since = nil
+  if headers == nil or headers[":status"] ~= "200" or body == nil then return end
+  local state = body:match('"state": *"(%a+)"')
+  local age = tonumber(body:match('"age_s": *([%d%.]+)') or "")
+  if (state == "open" or state == "closed") and age ~= nil then
+    gate.state, gate.made_at = state, now - age
+    gate.reason = body:match('"reason": *"([^"]*)"') or ""
+  end
+end
+
+-- Why a job should not start here now, or nil.
+local function gate_closed(handle)
+  local now = os.time()
+  ask_control_plane(handle, now)
+  if gate.made_at ~= nil and now - gate.made_at <= STALE_S then
+    if gate.state == "closed" then return gate.reason end
+    return nil
+  end
+  if WHEN_STALE == "closed" then
+    return "the control plane's word on the GPUs' load is missing or older than " ..
+           STALE_S .. " s, and this site closes the gate then"
+  end
+  return nil
+end
+
+local function job_start_refusal(reason)
+  return "no new jobs here now: " .. reason .. " (use another server, or retry in " ..
+         RETRY_AFTER_S .. " s)"
+end
+
+local function refuse_job_start(handle, grpc, reason)
+  local message = job_start_refusal(reason)
+  if grpc then
+    handle:respond({[":status"] = "200", ["content-type"] = "application/grpc",
+                    ["grpc-status"] = tostring(GATE_STATUS), ["grpc-message"] = message}, "")
+  else
+    handle:respond({[":status"] = "503", ["retry-after"] = tostring(RETRY_AFTER_S)}, message)
+  end
+end
+
 local path = os.getenv("SONIC_RAY_AUTH_TOKENS_FILE")
 if path == "" then path = nil end
 local RECHECK_S = 2
@@ -32,11 +136,7 @@ local function load()
   end
 end
 
-function envoy_on_request(handle)
-  -- Only the gateway's own routes may send Triton's admin key.
-  handle:headers():remove("triton-grpc-protocol-sonic-ray-admin")
-  handle:headers():remove("sonic-ray-admin")
-  if path == nil then return end
+local function check_token(handle)
   local now = os.time()
   if now - checked_at >= RECHECK_S then
     checked_at = now
@@ -46,7 +146,7 @@ function envoy_on_request(handle)
   local presented = headers:get("authorization")
   headers:remove("authorization")
   local token = presented and presented:match("^[Bb][Ee][Aa][Rr][Ee][Rr]%s+(.-)%s*$")
-  if tokens ~= nil and token ~= nil and token ~= "" and tokens[token] then return end
+  if tokens ~= nil and token ~= nil and token ~= "" and tokens[token] then return true end
   local content_type = headers:get("content-type") or ""
   if content_type:sub(1, 16) == "application/grpc" then
     -- A gRPC trailers-only answer: what a Triton client reads as UNAUTHENTICATED.
@@ -55,5 +155,54 @@ function envoy_on_request(handle)
   else
     -- The HTTP listener's local_reply_config gives it Triton's error shape.
     handle:respond({[":status"] = "401", ["www-authenticate"] = "Bearer"}, UNAUTHENTICATED)
+  end
+  return false
+end
+
+function envoy_on_request(handle)
+  local headers = handle:headers()
+  -- Only the gateway's own routes may send Triton's admin key.
+  headers:remove("triton-grpc-protocol-sonic-ray-admin")
+  headers:remove("sonic-ray-admin")
+  if path ~= nil and not check_token(handle) then return end
+  local request_path = headers:get(":path")
+  local grpc = request_path == JOB_START_GRPC
+  if grpc or request_path == JOB_START_HTTP then
+    local reason = gate_closed(handle)
+    if reason ~= nil then
+      refuse_job_start(handle, grpc, reason)
+      return
+    end
+    -- No Triton ready shows only in the answer (envoy.yaml's local reply): marked for it.
+    handle:streamInfo():dynamicMetadata():set("sonic-ray", "job-start", grpc and "grpc" or "http")
+  end
+end
+
+function envoy_on_response(handle)
+  local headers = handle:headers()
+  local grpc_status = headers:get("grpc-status")
+  if grpc_status == "14" then
+    local message = headers:get("grpc-message") or ""
+    if message:find(QUEUE_FULL, 1, true) then
+      headers:replace("grpc-status", "8")
+      headers:replace("grpc-message", message .. "; retry in " .. RETRY_AFTER_S .. " s")
+      headers:add("grpc-retry-pushback-ms", tostring(math.floor(RETRY_AFTER_S * 1000)))
+    elseif message:find(NO_TRITON, 1, true) then
+      local meta = handle:streamInfo():dynamicMetadata():get("sonic-ray")
+      if meta ~= nil and meta["job-start"] == "grpc" then
+        headers:replace("grpc-status", tostring(GATE_STATUS))
+        headers:replace("grpc-message", job_start_refusal((message:gsub("; retry later$", ""))))
+      end
+    end
+  elseif grpc_status == nil and headers:get(":status") == "503" then
+    if (headers:get("content-type") or ""):sub(1, 16) == "application/grpc" then return end
+    -- Waiting for the body ends the headers object's scope: ask for them again after.
+    local body = handle:body()
+    if body ~= nil and body:length() < 4096 and
+       body:getBytes(0, body:length()):find(QUEUE_FULL, 1, true) then
+      local answered = handle:headers()
+      answered:replace(":status", "429")
+      answered:add("retry-after", tostring(math.ceil(RETRY_AFTER_S)))
+    end
   end
 end

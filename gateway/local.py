@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from gateway.routes import (
+    CONTROL_PLANE_CLUSTER,
     GRPC_CLUSTER,
     GRPC_LISTENER,
     HTTP_CLUSTER,
@@ -75,6 +76,12 @@ def local_config(settings: Settings, endpoints_file: Path,
     admin = named(config, "clusters", "envoy-admin")["load_assignment"]["endpoints"][0][
         "lb_endpoints"][0]
     _socket(admin["endpoint"]["address"])["port_value"] = settings.gateway_admin_port
+    # The control plane's answer on this machine's port of the Ray head.
+    control_plane = named(config, "clusters", CONTROL_PLANE_CLUSTER)
+    control_plane.pop("cluster_type", None)
+    control_plane["type"] = "STATIC"
+    _socket(control_plane["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"][
+        "address"]).update(address="127.0.0.1", port_value=settings.admission_port)
     # Discovery from a file needs the node named.
     config["node"] = {"id": "local", "cluster": "sonic-ray-gateway"}
     for name, path in ((GRPC_CLUSTER, endpoints_file), (HTTP_CLUSTER, http_endpoints_file)):

@@ -30,6 +30,8 @@ HTTP_BLOCK = "refused-http"
 # The listeners and the Triton clusters they route to.
 GRPC_LISTENER, GRPC_CLUSTER = "triton-grpc", "triton"
 HTTP_LISTENER, HTTP_CLUSTER = "triton-http", "triton-http"
+# Where client-checks.lua asks whether the GPUs are saturated (the Ray head's admission port).
+CONTROL_PLANE_CLUSTER = "control-plane"
 # grpc-status 7, PERMISSION_DENIED: what Envoy answers a gRPC call for HTTP 403.
 REFUSAL_STATUS = 403
 

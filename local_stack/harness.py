@@ -38,7 +38,8 @@ READY_LINE = f"^{re.escape(f'{SAID} {READY}')} "
 def stack_ports_env() -> dict[str, str]:
     """Ports of a stack of its own, clear of `make local`'s and of any other stack's."""
     names = ["GRPC_PORT", "HTTP_PORT", "SERVE_GRPC_PORT", "SERVE_HTTP_PORT", "GATEWAY_METRICS_PORT",
-             "GATEWAY_ADMIN_PORT", "PROMETHEUS_PORT", "RAY_GCS_PORT", "RAY_DASHBOARD_PORT",
+             "GATEWAY_ADMIN_PORT", "ADMISSION_PORT", "PROMETHEUS_PORT", "RAY_GCS_PORT",
+             "RAY_DASHBOARD_PORT",
              "RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT",
              "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT", "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT"]
     ports = {name: str(port) for name, port in zip(names, free_ports(len(names)), strict=True)}

@@ -18,7 +18,7 @@ import yaml
 
 from local_stack.ports import free_ports
 from local_stack.processes import spawn
-from local_stack.settings import SERVE_DIR, Settings
+from local_stack.settings import SERVE_DIR, Settings, env_file
 from triton_pod.access import ADMIN_KEY_ENV
 from triton_pod.pod import (
     TRITON_ADDRESS_ENV,
@@ -33,18 +33,13 @@ DEPLOYMENT = "TritonPod"
 
 def ray_env_defaults() -> dict[str, str]:
     """serve/ray-env.env: the same Ray environment as the RayService's ray-env ConfigMap."""
-    defaults = {}
-    for line in RAY_ENV_FILE.read_text().splitlines():
-        line = line.strip()
-        if line and not line.startswith("#"):
-            name, _, value = line.partition("=")
-            defaults[name.strip()] = value.strip()
-    return defaults
+    return env_file(RAY_ENV_FILE)
 
 
 def _environment(settings: Settings, workdir: Path, admin_key: str) -> dict[str, str]:
     # What the caller's environment sets wins (make bench compares modes that way).
-    env = {**ray_env_defaults(), **os.environ, ADMIN_KEY_ENV: admin_key,
+    env = {**ray_env_defaults(), **os.environ, **settings.admission_env(),
+           ADMIN_KEY_ENV: admin_key,
            "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": settings.ray_token}
     # Only the shipped package: what runs in Ray here is what the ConfigMap ships.
     env["PYTHONPATH"] = str(SERVE_DIR)

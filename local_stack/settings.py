@@ -31,6 +31,22 @@ def int_env(env: Mapping[str, str], name: str, default: int, low: int | None = N
     return value
 
 
+def env_file(path: Path) -> dict[str, str]:
+    """The NAME=value lines of an env file (a ConfigMap's `envs:` source), comments skipped."""
+    found = {}
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            name, _, value = line.partition("=")
+            found[name.strip()] = value.strip()
+    return found
+
+
+# Admission's settings, the `admission` ConfigMap's source (gateway and Ray head).
+ADMISSION_ENV_FILE = ROOT / "gateway" / "admission.env"
+ADMISSION_PORT_ENV = "SONIC_RAY_ADMISSION_PORT"
+
+
 @dataclass(frozen=True)
 class TritonPorts:
     http: int
@@ -49,6 +65,8 @@ class Settings:
     serve_http_port: int
     gateway_metrics_port: int
     gateway_admin_port: int
+    # The control plane's answer to the gateway's start-of-job gate (serve/triton_pod/admission.py).
+    admission_port: int
     # OBSERVE=1 (make observe): a Prometheus scraping the stack on prometheus_port.
     observe: bool
     prometheus_port: int
@@ -105,6 +123,7 @@ class Settings:
             serve_http_port=int_env(env, "SERVE_HTTP_PORT", 9080),
             gateway_metrics_port=int_env(env, "GATEWAY_METRICS_PORT", 9902),
             gateway_admin_port=int_env(env, "GATEWAY_ADMIN_PORT", 9901),
+            admission_port=int_env(env, "ADMISSION_PORT", 8003),
             observe=env.get("OBSERVE", "") not in ("", "0"),
             prometheus_port=int_env(env, "PROMETHEUS_PORT", 9090),
             triton_base=TritonPorts(
@@ -121,6 +140,13 @@ class Settings:
         settings.check_ports()
         return settings
 
+    def admission_env(self, env: Mapping[str, str] = os.environ) -> dict[str, str]:
+        """The `admission` ConfigMap as this machine's gateway and Ray head get it: the
+        shipped defaults, each overridden by the caller's environment, on this stack's port."""
+        defaults = env_file(ADMISSION_ENV_FILE)
+        return {**defaults, **{k: env[k] for k in defaults if k in env},
+                ADMISSION_PORT_ENV: str(self.admission_port)}
+
     def port_variables(self) -> dict[str, int]:
         """Every port variable and its value (Triton's for pod 0): docs/local.md's table is
         checked against these (tests/unit/test_local_ports.py)."""
@@ -132,6 +158,7 @@ class Settings:
             "TRITON_METRICS_PORT": self.triton_base.metrics,
             "GATEWAY_METRICS_PORT": self.gateway_metrics_port,
             "GATEWAY_ADMIN_PORT": self.gateway_admin_port,
+            "ADMISSION_PORT": self.admission_port,
             "SERVE_GRPC_PORT": self.serve_grpc_port,
             "SERVE_HTTP_PORT": self.serve_http_port,
             "RAY_GCS_PORT": self.gcs_port,
@@ -141,7 +168,7 @@ class Settings:
 
     def check_ports(self) -> None:
         every = self.port_variables()
-        used = ["GRPC_PORT", "HTTP_PORT", "RAY_GCS_PORT", "RAY_DASHBOARD_PORT"]
+        used = ["GRPC_PORT", "HTTP_PORT", "RAY_GCS_PORT", "RAY_DASHBOARD_PORT", "ADMISSION_PORT"]
         if self.data_path == "gateway":
             used += ["SERVE_GRPC_PORT", "SERVE_HTTP_PORT", "GATEWAY_METRICS_PORT",
                      "GATEWAY_ADMIN_PORT"]

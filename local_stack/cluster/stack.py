@@ -213,7 +213,7 @@ class ClusterStack:
         return env
 
     def _ray_env(self, container: manifests.Container, token: str) -> dict[str, str]:
-        env = {**self._container_env(container), **self.built.ray_env}
+        env = self._container_env(container)
         env["PYTHONPATH"] = env.get("PYTHONPATH", "").replace(CODE_MOUNT, str(SERVE_DIR))
         # What KubeRay's authOptions gives every Ray container.
         env |= {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token,
@@ -306,7 +306,8 @@ class ClusterStack:
         cluster it made active, `ray.io/serve: "true"`."""
         with self._lock:
             members = [(p, self._labels[n]) for n, p in self.pods.items()]
-            members += [(c.head, self._labels[c.head.name]) for c in self.clusters.values()]
+            clusters = list(self.clusters.values())
+            members += [(c.head, self._labels[c.head.name]) for c in clusters]
             active = self.active
             gateways = [p.ip for n, p in self.pods.items() if n.startswith("gateway-")
                         and p.ready]
@@ -317,6 +318,8 @@ class ClusterStack:
 
         for name, selector in self.built.headless.items():
             self.dns.publish(name, selected(selector))
+        self.dns.publish(self.built.head_service,
+                         [c.head.ip for c in clusters if c.name == active])
         if self.built.serve_service:
             self.dns.publish(self.built.serve_service,
                              selected({"ray.io/cluster": active, "ray.io/serve": "true"}))

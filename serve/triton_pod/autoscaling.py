@@ -13,6 +13,7 @@ import logging
 import math
 from typing import Any
 
+from .admission import AdmissionSettings, admission, saturation
 from .gateway_hosts import gateway_hosts
 from .triton_metrics import QUEUE_METRIC
 
@@ -29,7 +30,10 @@ class TritonQueueTimePolicy:
     than min_replicas run and its target rises (Ray 2.60, DeploymentState.autoscale), and
     KubeRay switches to a new cluster only when its applications are RUNNING: so in an upgrade
     the new cluster takes the load with as many GPU pods as served it. In a cluster already
-    serving, the count is its own: caught up at once."""
+    serving, the count is its own: caught up at once.
+
+    Each call also decides whether the facility is saturated (admission.py) for the gateway's
+    start-of-job gate, with the site's limit from the environment (the `admission` ConfigMap)."""
 
     def __init__(self, target_queue_ms_per_exec: float = 100.0, tolerance: float = 0.1,
                  gateway_stats_url: str | None = None, gateway_wait_s: float = 60.0) -> None:
@@ -41,10 +45,18 @@ class TritonQueueTimePolicy:
         self.tolerance = float(tolerance)
         self.gateway = gateway_hosts(gateway_stats_url) if gateway_stats_url else None
         self.gateway_wait_s = float(gateway_wait_s)
+        # A bad setting fails the deploy here, with its name in the message.
+        settings = AdmissionSettings.from_env()
+        self.saturated_queue_ms = settings.saturated_queue_ms
+        self.admission = admission(settings.port) if settings.port else None
 
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
         state = dict(getattr(ctx, "policy_state", None) or {})
         decision, found = self._queue_decision(ctx)
+        if self.admission is not None:
+            self.admission.decide(saturation(
+                found.get("queue_ms_per_exec"), ctx.current_num_replicas,
+                ctx.capacity_adjusted_max_replicas, self.saturated_queue_ms))
         floor = self._floor(ctx, state)
         return max(decision, floor), {**state, **found}
 

@@ -124,10 +124,31 @@ def test_all_unhealthy_every_call_ends_at_once_saying_why(cluster: Cluster) -> N
             "simple", simple_inputs(ones, ones), client_timeout=20))
         http_s, http_outcome = _timed(lambda: urllib.request.urlopen(
             f"http://{cluster.http_url}/v2/health/ready", timeout=20))
-    print(f"gRPC: {grpc_outcome!r} in {grpc_s:.3f}s; HTTP: {http_outcome!r} in {http_s:.3f}s")
+        # A job start gets the start-of-job gate's answer instead (docs/admission.md).
+        job_s, job_outcome = _timed(lambda: client.get_model_repository_index(
+            client_timeout=20))
+    print(f"gRPC: {grpc_outcome!r} in {grpc_s:.3f}s; HTTP: {http_outcome!r} in {http_s:.3f}s; "
+          f"RepositoryIndex: {job_outcome!r} in {job_s:.3f}s")
     assert grpc_outcome.startswith("StatusCode.UNAVAILABLE") and NO_TRITON in grpc_outcome
     assert http_outcome.startswith("HTTP 503") and NO_TRITON in http_outcome
-    assert grpc_s < 1 and http_s < 1
+    assert job_outcome.startswith("StatusCode.CANCELLED") and "no new jobs" in job_outcome
+    assert grpc_s < 1 and http_s < 1 and job_s < 1
+
+
+def test_the_gateways_ask_the_active_clusters_head_whether_to_admit(cluster: Cluster) -> None:
+    """The gate's signal comes from KubeRay's head Service, which resolves to the head of the
+    active Ray cluster: every gateway pod lists exactly that address, and a job start passes."""
+    head = cluster.process.wait_for_line(r"ray-head: Ray head of cluster \S+ at (\S+) ",
+                                         1).group(1)
+
+    def asking_the_head() -> object:
+        listed = {g: sorted(cluster.envoy_hosts(g, "control-plane"))
+                  for g in cluster.ready_pods("gateway")}
+        return all(hosts == [head] for hosts in listed.values()) or listed
+
+    until("the gateways to resolve the head's Service", asking_the_head, 30)
+    client = tc.InferenceServerClient(cluster.grpc_url)
+    assert client.get_model_repository_index().models
 
 
 def test_a_slow_triton_stays_in_rotation(cluster: Cluster) -> None:
