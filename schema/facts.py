@@ -330,7 +330,7 @@ def _admission_facts(facts: Facts, deployment: dict[str, Any], envoy: dict[str, 
     """The admission ConfigMap that the gateway reads, and whether the Ray head reads the
     same, its settings, and the ports of the control plane's answer in the three places."""
     pod = deployment.get("spec", {}).get("template", {}).get("spec", {})
-    envoy_container = next((c for c in pod.get("containers") or []
+    envoy_container: dict[str, Any] = next((c for c in pod.get("containers") or []
                             if "envoy" in str(c.get("image"))), {})
     config_maps = {(o.get("metadata") or {}).get("name"): o.get("data") or {} for o in stream
                    if o.get("kind") == "ConfigMap"}
