@@ -129,7 +129,10 @@ clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
 
 # Each data path against Triton directly, same run, same client: a table, JSON and a PNG plot
-# in bench-results/. MODES="gateway serve classic ..." (bench/data_paths.py lists them).
+# in bench-results/. MODES="gateway serve classic ..." (bench/data_paths.py lists them). Then
+# the overload cell: the gateway at twice its Tritons' capacity (bench/overload.py).
 MODES ?= gateway serve
+OVERLOAD_SECONDS ?= 60
 bench: venv
 	$(PY) -m bench.data_paths --modes $(MODES)
+	$(PY) -m bench.overload --seconds $(OVERLOAD_SECONDS)

@@ -1,0 +1,217 @@
+"""`make bench`'s overload cell: the gateway at twice what its Tritons serve.
+
+Two simulated pods at max_replicas serve the queue-bounded `queue_limited` model (tests/models:
+0.2 s per batch of up to 4, a queue of 4, Triton's own queue policy); open-loop arrivals at twice
+that capacity. Reports what was admitted (req/s, p99 against the unloaded p99), how fast the
+rest was refused (RESOURCE_EXHAUSTED with a retry hint) and what share, and when the
+start-of-job gate closed and opened again (docs/admission.md). tests/stack/test_admission.py
+runs the same cell and asserts its outcome.
+
+    python -m bench.overload [--seconds 60]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import numpy as np
+import tritonclient.grpc.aio as tc_aio
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+from tritonclient.utils import InferenceServerException
+
+from local_stack.harness import RunningStack, running_stack, serve_config_with
+from local_stack.polling import until
+
+MODEL = "queue_limited"
+# One execution (a batch of up to 4) takes this long: 2 Tritons serve 2 x 4 / 0.2 = 40 calls/s.
+EXEC_S = 0.2
+TRITONS = 2
+CAPACITY_PER_S = TRITONS * 4 / EXEC_S
+DEADLINE_S = 10.0
+# The site's settings of the run, as the admission ConfigMap would give them.
+SATURATED_QUEUE_MS = 150
+RETRY_AFTER_S = 1
+# Serve's autoscaling at test speed; min = max: the facility runs max_replicas.
+AUTOSCALING = {"metrics_interval_s": 0.5, "look_back_period_s": 2, "upscale_delay_s": 1,
+               "downscale_delay_s": 4, "min_replicas": TRITONS, "max_replicas": TRITONS}
+# How soon the gate opens again once the load is gone: Serve's look-back (2 s here) and
+# metrics interval, the policy's next loop, the gateway's next question (1 s).
+REOPEN_S = 15
+
+
+@contextmanager
+def saturable_stack(extra_env: dict[str, str] | None = None) -> Iterator[RunningStack]:
+    """The gateway path with two pods at max_replicas and this run's admission settings."""
+    with tempfile.TemporaryDirectory(prefix="sonic-ray-overload-") as directory:
+        config = serve_config_with(Path(directory), deployment={"health_check_period_s": 2},
+                                   autoscaling=AUTOSCALING,
+                                   policy_kwargs={"target_queue_ms_per_exec": 50})
+        with running_stack({"DATA_PATH": "gateway", "TRITONS": str(TRITONS),
+                            "SERVE_CONFIG": str(config),
+                            "SONIC_RAY_SATURATED_QUEUE_MS": str(SATURATED_QUEUE_MS),
+                            "SONIC_RAY_RETRY_AFTER_S": str(RETRY_AFTER_S), **(extra_env or {})},
+                           ready_pattern=r"gateway discovery: pods \[0, 1\]") as running:
+            yield running
+
+
+@dataclass
+class Outcome:
+    status: str  # "OK" or the gRPC status name
+    took_s: float
+    trailers: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class GateAnswer:
+    at_s: float  # since the load began
+    status: str  # "OK" or tritonclient's status, e.g. "StatusCode.CANCELLED"
+    took_s: float
+    message: str
+
+
+@dataclass
+class OverloadRun:
+    seconds: float
+    offered_per_s: float
+    unloaded_s: list[float]
+    outcomes: list[Outcome]
+    gate: list[GateAnswer]
+    reopened_after_s: float | None = None
+
+    def of(self, status: str) -> list[Outcome]:
+        return [o for o in self.outcomes if o.status == status]
+
+    def summary(self) -> str:
+        admitted, refused = self.of("OK"), self.of("RESOURCE_EXHAUSTED")
+        closed = [g for g in self.gate if g.status == "StatusCode.CANCELLED"]
+        others = sorted({o.status for o in self.outcomes} - {"OK", "RESOURCE_EXHAUSTED"})
+        parts = [
+            f"{self.offered_per_s:.0f} calls/s offered (2x capacity) for {self.seconds:.0f} s: "
+            f"{len(self.outcomes)} calls",
+            f"admitted {len(admitted) / self.seconds:.1f}/s, p99 "
+            f"{p99([o.took_s for o in admitted]) * 1000:.0f} ms (unloaded p99 "
+            f"{p99(self.unloaded_s) * 1000:.0f} ms)",
+            f"refused {len(refused)} ({len(refused) / max(1, len(self.outcomes)):.0%}), p99 "
+            f"{p99([o.took_s for o in refused]) * 1000:.1f} ms, slowest "
+            f"{max([o.took_s for o in refused], default=0) * 1000:.1f} ms",
+            f"other outcomes: {', '.join(others) or 'none'}",
+            (f"gate closed {len(closed)} of {len(self.gate)} times asked (first at "
+             f"{closed[0].at_s:.1f} s)") if closed else "the gate never closed",
+        ]
+        if self.reopened_after_s is not None:
+            parts.append(f"open again {self.reopened_after_s:.1f} s after the load")
+        return "; ".join(parts)
+
+
+def p99(values: list[float]) -> float:
+    return float(np.percentile(values, 99)) if values else 0.0
+
+
+def _request(seconds: float) -> service_pb2.ModelInferRequest:
+    tensor = service_pb2.ModelInferRequest.InferInputTensor(name="SECONDS", datatype="FP32",
+                                                            shape=[1, 1])
+    return service_pb2.ModelInferRequest(
+        model_name=MODEL, inputs=[tensor],
+        raw_input_contents=[np.array([[seconds]], dtype=np.float32).tobytes()])
+
+
+async def _infer(stub: service_pb2_grpc.GRPCInferenceServiceStub) -> Outcome:
+    started = time.monotonic()
+    try:
+        await stub.ModelInfer(_request(EXEC_S), timeout=DEADLINE_S)
+        return Outcome("OK", time.monotonic() - started)
+    except grpc.aio.AioRpcError as error:
+        trailers = {k: str(v) for k, v in (error.trailing_metadata() or ())}
+        return Outcome(error.code().name, time.monotonic() - started, trailers)
+
+
+async def job_start(client: tc_aio.InferenceServerClient, since: float = 0.0) -> GateAnswer:
+    """A job's RepositoryIndex, as tritonclient reports its answer."""
+    started = time.monotonic()
+    try:
+        await client.get_model_repository_index()
+        return GateAnswer(started - since, "OK", time.monotonic() - started, "")
+    except InferenceServerException as error:
+        return GateAnswer(started - since, str(error.status()), time.monotonic() - started,
+                          str(error.message()))
+
+
+def gate_answer(url: str) -> GateAnswer:
+    async def ask() -> GateAnswer:
+        client = tc_aio.InferenceServerClient(url)
+        try:
+            return await job_start(client)
+        finally:
+            await client.close()
+
+    return asyncio.run(ask())
+
+
+def gate_is(url: str, status: str) -> bool | GateAnswer:
+    """True once RepositoryIndex gets `status` ("OK" or a gRPC status), else the answer."""
+    answer = gate_answer(url)
+    return True if answer.status == status else answer
+
+
+def overload(url: str, seconds: float = 60.0) -> OverloadRun:
+    """The unloaded latency, then arrivals at twice the capacity for `seconds` with a job
+    start every half second, then how long until the gate opens again."""
+
+    async def run() -> OverloadRun:
+        async with grpc.aio.insecure_channel(url) as channel:
+            stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+            unloaded = []
+            for _ in range(20):
+                outcome = await _infer(stub)
+                if outcome.status != "OK":
+                    raise RuntimeError(f"an unloaded call failed: {outcome}")
+                unloaded.append(outcome.took_s)
+            client = tc_aio.InferenceServerClient(url)
+            gate: list[GateAnswer] = []
+            start = time.monotonic()
+
+            async def watch_gate() -> None:
+                while time.monotonic() - start < seconds:
+                    gate.append(await job_start(client, start))
+                    await asyncio.sleep(0.5)
+
+            watcher = asyncio.create_task(watch_gate())
+            calls = []
+            rate = 2 * CAPACITY_PER_S
+            for i in range(int(seconds * rate)):
+                delay = start + i / rate - time.monotonic()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                calls.append(asyncio.create_task(_infer(stub)))
+            outcomes = await asyncio.gather(*calls)
+            await watcher
+            await client.close()
+            return OverloadRun(seconds, rate, unloaded, list(outcomes), gate)
+
+    result = asyncio.run(run())
+    gone = time.monotonic()
+    until("the gate to open", lambda: gate_is(url, "OK"), REOPEN_S)
+    result.reopened_after_s = time.monotonic() - gone
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=60.0)
+    args = parser.parse_args(argv)
+    print("overload: starting the stack (gateway, 2 pods)", flush=True)
+    with saturable_stack() as running:
+        print(overload(running.url("GRPC_PORT"), args.seconds).summary(), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
