@@ -9,6 +9,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from triton_pod.admission import PORT_ENV as ADMISSION_PORT_ENV
+
 ROOT = Path(__file__).resolve().parent.parent
 SERVE_DIR = ROOT / "serve"
 DEFAULT_CONFIG = SERVE_DIR / "serve-config.yaml"
@@ -44,7 +46,6 @@ def env_file(path: Path) -> dict[str, str]:
 
 # Admission's settings, the `admission` ConfigMap's source (gateway and Ray head).
 ADMISSION_ENV_FILE = ROOT / "gateway" / "admission.env"
-ADMISSION_PORT_ENV = "SONIC_RAY_ADMISSION_PORT"
 
 
 @dataclass(frozen=True)

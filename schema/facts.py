@@ -348,7 +348,7 @@ def _admission_facts(facts: Facts, deployment: dict[str, Any], envoy: dict[str, 
               {fact: _number(settings[key]) if fact.endswith("S") else settings[key]
                for fact, key in GATE_SETTINGS.items() if key in settings}, source)
     limit = str(settings.get(SATURATED_ENV, "")).strip()
-    (_, forwarder, deployment_path) = _forwarder(serve_config)
+    _, forwarder, app_path = _forwarder(serve_config)
     kwargs = (((forwarder.get("autoscaling_config") or {}).get("policy") or {})
               .get("policy_kwargs") or {})
     target = kwargs.get("target_queue_ms_per_exec", TARGET_DEFAULT)
@@ -356,7 +356,7 @@ def _admission_facts(facts: Facts, deployment: dict[str, Any], envoy: dict[str, 
     facts.put("saturationMinusScalingTarget",
               _diff(limit_value, _number(target)) if isinstance(limit_value, float)
               else limit_value,
-              f"{source} {SATURATED_ENV} minus {deployment_path}.deployments[0]."
+              f"{source} {SATURATED_ENV} minus {app_path}.deployments[0]."
               "autoscaling_config.policy.policy_kwargs.target_queue_ms_per_exec")
     head_port = next((p.get("containerPort") for p in head_ray.get("ports") or []
                       if p.get("name") == "admission"), "none")
