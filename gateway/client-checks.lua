@@ -17,6 +17,11 @@
 --   dynamic_batching.default_queue_policy with max_queue_size and timeout_action REJECT) goes
 --   to the client as RESOURCE_EXHAUSTED / 429 with a retry hint (grpc-retry-pushback-ms,
 --   Retry-After) instead of UNAVAILABLE / 503, which clients read as "this server is down".
+--
+-- Client certificates (components/mtls): Envoy's handshake has checked that the CA signed the
+-- certificate; when SONIC_RAY_CLIENT_SUBJECTS lists patterns (";"-separated, "*" any run of
+-- characters), the certificate's subject must match one, or the call is refused
+-- (PERMISSION_DENIED, 403) naming the subject.
 local GRPC_CODES = {CANCELLED = 1, UNKNOWN = 2, INVALID_ARGUMENT = 3, DEADLINE_EXCEEDED = 4,
                     NOT_FOUND = 5, ALREADY_EXISTS = 6, PERMISSION_DENIED = 7,
                     RESOURCE_EXHAUSTED = 8, FAILED_PRECONDITION = 9, ABORTED = 10,
@@ -109,6 +114,48 @@ local function refuse_job_start(handle, grpc, reason)
   end
 end
 
+-- The allowed subjects as anchored Lua patterns; nil: any certificate the CA signed.
+local function subject_patterns(text)
+  if text == nil or text:match("^%s*$") then return nil end
+  local found = {}
+  for glob in text:gmatch("[^;]+") do
+    glob = glob:match("^%s*(.-)%s*$")
+    if glob ~= "" then
+      local escaped = glob:gsub("[%^%$%(%)%%%.%[%]%+%-%?]", "%%%0"):gsub("%*", ".*")
+      found[#found + 1] = "^" .. escaped .. "$"
+    end
+  end
+  return found
+end
+
+local SUBJECTS = subject_patterns(os.getenv("SONIC_RAY_CLIENT_SUBJECTS"))
+
+local function refuse(handle, grpc_code, http_status, message)
+  local content_type = handle:headers():get("content-type") or ""
+  if content_type:sub(1, 16) == "application/grpc" then
+    handle:respond({[":status"] = "200", ["content-type"] = "application/grpc",
+                    ["grpc-status"] = tostring(grpc_code), ["grpc-message"] = message}, "")
+  else
+    handle:respond({[":status"] = tostring(http_status)}, message)
+  end
+end
+
+-- True when the caller's certificate subject is allowed (or no list is set).
+local function check_subject(handle)
+  if SUBJECTS == nil then return true end
+  local ssl = handle:streamInfo():downstreamSslConnection()
+  local subject = ssl and ssl:peerCertificatePresented() and ssl:subjectPeerCertificate()
+  if subject then
+    for _, pattern in ipairs(SUBJECTS) do
+      if subject:match(pattern) then return true end
+    end
+  end
+  refuse(handle, GRPC_CODES.PERMISSION_DENIED, 403, "the client certificate's subject " ..
+         (subject and ("\"" .. subject .. "\"") or "(none presented)") ..
+         " is not allowed at this endpoint (SONIC_RAY_CLIENT_SUBJECTS)")
+  return false
+end
+
 local path = os.getenv("SONIC_RAY_AUTH_TOKENS_FILE")
 if path == "" then path = nil end
 local RECHECK_S = 2
@@ -164,6 +211,7 @@ function envoy_on_request(handle)
   -- Only the gateway's own routes may send Triton's admin key.
   headers:remove("triton-grpc-protocol-sonic-ray-admin")
   headers:remove("sonic-ray-admin")
+  if not check_subject(handle) then return end
   if path ~= nil and not check_token(handle) then return end
   local request_path = headers:get(":path")
   local grpc = request_path == JOB_START_GRPC

@@ -18,6 +18,7 @@ from typing import Any
 
 import yaml
 
+from gateway import tls
 from gateway.routes import (
     CONTROL_PLANE_CLUSTER,
     GRPC_CLUSTER,
@@ -63,9 +64,32 @@ def with_files_here(config: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
+def with_certificates_at(config: dict[str, Any], tls_dir: Path,
+                         ca_dir: Path) -> dict[str, Any]:
+    """A TLS variant's config with the mounted Secret's files read from these folders."""
+    found = {s["name"]: s for s in config["static_resources"].get("secrets", [])}
+    client_certificates = tls.CLIENT_CA in found
+    config["static_resources"]["secrets"] = tls.secrets(client_certificates, str(tls_dir),
+                                                       str(ca_dir))
+    return config
+
+
+def config_path(settings: Settings) -> Path:
+    """What ships for these settings: the base config or a TLS component's variant."""
+    if settings.tls:
+        return tls.variant_path("mtls" if settings.mtls else "tls")
+    return CONFIG
+
+
 def local_config(settings: Settings, endpoints_file: Path,
-                 http_endpoints_file: Path) -> dict[str, Any]:
-    config: dict[str, Any] = with_files_here(yaml.safe_load(CONFIG.read_text()))
+                 http_endpoints_file: Path, certificates: Path | None = None) -> dict[str, Any]:
+    """`certificates`: the folder of local_stack/certificates.py's files, with TLS on."""
+    config: dict[str, Any] = with_files_here(
+        yaml.safe_load(config_path(settings).read_text()))
+    if settings.tls:
+        if certificates is None:
+            raise ValueError("TLS is on: the certificates' folder is needed")
+        with_certificates_at(config, certificates / "server", certificates / "client-ca")
     _socket(config["admin"]["address"])["port_value"] = settings.gateway_admin_port
     _socket(named(config, "listeners", GRPC_LISTENER)["address"])["port_value"] = (
         settings.grpc_port)
@@ -139,18 +163,35 @@ def upstream_ports(admin_port: int, healthy_only: bool = False) -> set[int]:
             if not healthy_only or _healthy(host)}
 
 
-def validate(config_path: Path = CONFIG) -> int:
-    """`envoy --mode validate` on the config as shipped, its mounted files read from here."""
+def validate(path: Path = CONFIG) -> int:
+    """`envoy --mode validate` on a config as shipped, its mounted files read from here (and a
+    TLS variant's certificates from throw-away ones)."""
     import subprocess
     import tempfile
 
-    config = with_files_here(yaml.safe_load(config_path.read_text()))
-    with tempfile.NamedTemporaryFile("w", suffix=".yaml") as staged:
-        yaml.safe_dump(config, staged)
-        staged.flush()
-        return subprocess.run([str(envoy_binary()), "--mode", "validate", "-c", staged.name,
+    from local_stack import certificates
+
+    config = with_files_here(yaml.safe_load(path.read_text()))
+    with tempfile.TemporaryDirectory() as folder:
+        if config["static_resources"].get("secrets"):
+            certificates.write_local(Path(folder))
+            with_certificates_at(config, Path(folder) / "server", Path(folder) / "client-ca")
+        staged = Path(folder) / "envoy.yaml"
+        staged.write_text(yaml.safe_dump(config))
+        return subprocess.run([str(envoy_binary()), "--mode", "validate", "-c", str(staged),
                                "--log-level", "warning"], check=False).returncode
 
 
+def main(argv: list[str]) -> int:
+    """Validates the given config, or the shipped one and every TLS variant."""
+    paths = [Path(arg) for arg in argv] or [CONFIG, *map(tls.variant_path, tls.VARIANTS)]
+    failed = 0
+    for path in paths:
+        if validate(path) != 0:
+            print(f"{path}: envoy --mode validate failed", file=sys.stderr)
+            failed = 1
+    return failed
+
+
 if __name__ == "__main__":
-    sys.exit(validate(*(Path(arg) for arg in sys.argv[1:2])))
+    sys.exit(main(sys.argv[1:]))

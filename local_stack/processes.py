@@ -184,7 +184,8 @@ class Supervisor:
                 process.wait()
             else:
                 terminate(process, grace_s=grace_s)
-        self._thread.join(timeout=max(grace_s, 0) + 5)
+        if self._thread.is_alive():  # never started: nothing to wait for
+            self._thread.join(timeout=max(grace_s, 0) + 5)
 
     @property
     def pid(self) -> int | None:

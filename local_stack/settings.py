@@ -33,6 +33,14 @@ def int_env(env: Mapping[str, str], name: str, default: int, low: int | None = N
     return value
 
 
+def switch_env(env: Mapping[str, str], name: str) -> bool:
+    """An on/off variable: unset, empty or 0 is off, 1 is on, anything else an error."""
+    raw = env.get(name, "")
+    if raw not in ("", "0", "1"):
+        raise SystemExit(f"{name}={raw!r}: 1 turns it on, 0 or nothing leaves it off")
+    return raw == "1"
+
+
 def env_file(path: Path) -> dict[str, str]:
     """The NAME=value lines of an env file (a ConfigMap's `envs:` source), comments skipped."""
     found = {}
@@ -79,6 +87,10 @@ class Settings:
     # Ray's token authentication (RAY_AUTH_MODE=token), as KubeRay's authOptions turns on:
     # every call to the dashboard and GCS needs it.
     ray_token: str
+    # TLS on the gateway's client listeners (components/tls); with mtls a client certificate
+    # signed by the stack's CA too (components/mtls).
+    tls: bool = False
+    mtls: bool = False
 
     def triton(self, index: int) -> TritonPorts:
         """The ports of the Triton of simulated pod `index`."""
@@ -137,7 +149,18 @@ class Settings:
             serve_config=config,
             triton_args=tuple(shlex.split(env.get("TRITON_ARGS", ""))),
             ray_token=env.get("RAY_AUTH_TOKEN") or secrets.token_hex(32),
+            tls=switch_env(env, "TLS"),
+            mtls=switch_env(env, "MTLS"),
         )
+        if settings.mtls and not settings.tls:
+            raise SystemExit("MTLS=1 asks clients for certificates over TLS: add TLS=1")
+        if settings.tls and data_path != "gateway":
+            raise SystemExit("TLS=1 is the gateway's front door: the Serve path has none "
+                             "(DATA_PATH=gateway)")
+        unbuilt = [name for name in ("JWKS_FILE", "JWT_ISSUER", "JWT_AUDIENCE") if env.get(name)]
+        if unbuilt:
+            raise SystemExit(f"{', '.join(unbuilt)}: checking tokens against a JWKS is not "
+                             "built yet; unset them (docs/front-door.md)")
         settings.check_ports()
         return settings
 

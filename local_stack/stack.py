@@ -25,6 +25,7 @@ import os
 import secrets
 import shutil
 import signal
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -41,7 +42,7 @@ import yaml
 
 from gateway import local as gateway
 from gateway.routes import HTTP_CLUSTER
-from local_stack import prometheus, ray_cluster, triton
+from local_stack import certificates, prometheus, ray_cluster, triton
 from local_stack.polling import until
 from local_stack.processes import (
     Supervisor,
@@ -94,13 +95,30 @@ def server_ready(port: int, metadata: tuple[tuple[str, str], ...] = (),
         return f"{error.code().name}: {error.details()}"
 
 
-def http_ready(port: int, headers: tuple[tuple[str, str], ...] = (), host: str = "localhost"
-               ) -> Any:
-    """True once the HTTP endpoint at `port` answers Triton's readiness with 200, else why not."""
-    request = urllib.request.Request(f"http://{host}:{port}/v2/health/ready",
+def tls_channel(port: int, files: certificates.Files, host: str = "localhost") -> grpc.Channel:
+    """A channel as a client of `make local TLS=1` opens one: trusting the stack's CA and
+    presenting its client certificate (which only MTLS=1 asks for)."""
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=files.ca.read_bytes(), private_key=files.client_key.read_bytes(),
+        certificate_chain=files.client_cert.read_bytes())
+    return grpc.secure_channel(f"{host}:{port}", credentials)
+
+
+def tls_context(files: certificates.Files) -> ssl.SSLContext:
+    context = ssl.create_default_context(cafile=str(files.ca))
+    context.load_cert_chain(str(files.client_cert), str(files.client_key))
+    return context
+
+
+def http_ready(port: int, headers: tuple[tuple[str, str], ...] = (), host: str = "localhost",
+               context: ssl.SSLContext | None = None) -> Any:
+    """True once the HTTP endpoint at `port` answers Triton's readiness with 200, else why not
+    (over TLS with `context`)."""
+    scheme = "https" if context is not None else "http"
+    request = urllib.request.Request(f"{scheme}://{host}:{port}/v2/health/ready",
                                      headers=dict(headers))
     try:
-        with urllib.request.urlopen(request, timeout=2) as response:
+        with urllib.request.urlopen(request, timeout=2, context=context) as response:
             return True if response.status == 200 else f"HTTP {response.status}"
     except urllib.error.HTTPError as error:
         return f"HTTP {error.code} on {port}"
@@ -196,6 +214,8 @@ class LocalStack:
         self.envoy: Supervisor | None = None
         self.prometheus: subprocess.Popen[bytes] | None = None
         self.discovery: Discovery | None = None
+        # With TLS=1: the CA, client certificate and key a client of this stack uses.
+        self.client_tls: certificates.Files | None = None
 
     def alive(self) -> None:
         for name, process in [("Ray", self.ray), ("Prometheus", self.prometheus),
@@ -223,6 +243,14 @@ class LocalStack:
         if s.observe:
             self._start_prometheus()
         self._print_endpoints()
+        if self.client_tls is not None:
+            f = self.client_tls
+            say(f"tls: ca {f.ca} client-cert {f.client_cert} client-key {f.client_key}")
+            say(f"tls: call with -u localhost:{s.grpc_port} --ssl --root-certificates {f.ca}"
+                + (f" --private-key {f.client_key} --certificate-chain {f.client_cert}"
+                   if s.mtls else "")
+                + " (gRPC), or https://localhost:" + str(s.http_port)
+                + (" (the client certificate required)" if s.mtls else ""))
         say(f"{READY} Triton answers ServerReady through {s.client_port_owner} "
             f"at localhost:{s.grpc_port}, and HTTP at localhost:{s.http_port}")
 
@@ -258,8 +286,10 @@ class LocalStack:
         s = self.settings
         self.discovery = Discovery(self)
         config_path = self.workdir / "gateway" / "envoy.yaml"
+        if s.tls:
+            self.client_tls, _ = certificates.write_local(self.workdir / "tls")
         config_path.write_text(yaml.safe_dump(gateway.local_config(
-            s, self.discovery.path, self.discovery.http_path)))
+            s, self.discovery.path, self.discovery.http_path, self.workdir / "tls")))
         # Envoy adds the admin key to the restricted RPCs that pass (gateway/envoy.yaml).
         # Supervised: the gateway's Deployment has the kubelet restart a crashed Envoy, and
         # Envoy 1.40 has been seen to abort once at start (gRPC's epoll poller, EBADF).
@@ -306,10 +336,17 @@ class LocalStack:
             raise SystemExit(str(error)) from None
         credentials = tokens.credentials() if tokens is not None else ()
 
+        files = self.client_tls
+
         def clients_endpoint_ready() -> Any:
-            answer = server_ready(s.grpc_port, credentials)
+            if files is None:
+                answer = server_ready(s.grpc_port, credentials)
+            else:
+                with tls_channel(s.grpc_port, files) as channel:
+                    answer = server_ready(s.grpc_port, credentials, channel)
             if answer is True:
-                answer = http_ready(s.http_port, credentials)
+                answer = http_ready(s.http_port, credentials,
+                                    context=tls_context(files) if files is not None else None)
             if answer is True:
                 return True
             try:

@@ -67,3 +67,12 @@ def test_a_planned_exit_restarts_without_a_crash_line(tmp_path: Path) -> None:
         assert not any("exited" in line for line in said), said
     finally:
         supervisor.stop(grace_s=5)
+
+
+def test_stopping_one_never_started_says_nothing_and_raises_nothing(tmp_path: Path) -> None:
+    """A stack that fails before a process starts (Ray refusing its ports) stops cleanly: its
+    own error stays the last word, not a traceback of its cleanup."""
+    said: list[str] = []
+    supervisor = Supervisor("envoy", ["sleep", "600"], tmp_path / "log", dict, said.append)
+    supervisor.stop(grace_s=1)
+    assert said == []
