@@ -32,8 +32,7 @@ from local_stack.settings import Settings
 HERE = Path(__file__).resolve().parent
 CONFIG = HERE / "envoy.yaml"
 CLUSTER = GRPC_CLUSTER
-# Where the gateway's Deployment mounts its ConfigMap (gateway/gateway.yaml).
-MOUNTED_AT = "/etc/envoy"
+MOUNTED_AT = tls.MOUNTED_AT
 
 
 def envoy_binary() -> Path:
@@ -64,13 +63,22 @@ def with_files_here(config: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
-def with_certificates_at(config: dict[str, Any], tls_dir: Path,
-                         ca_dir: Path) -> dict[str, Any]:
-    """A TLS variant's config with the mounted Secret's files read from these folders."""
-    found = {s["name"]: s for s in config["static_resources"].get("secrets", [])}
-    client_certificates = tls.CLIENT_CA in found
-    config["static_resources"]["secrets"] = tls.secrets(client_certificates, str(tls_dir),
-                                                       str(ca_dir))
+def with_certificates_at(config: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """A TLS variant's config with its secrets' discovery documents in `folder`, naming the
+    files of local_stack/certificates.py there (server/, client-ca/)."""
+    where = {tls.SERVER_CERTIFICATE: folder / "server", tls.CLIENT_CA: folder / "client-ca"}
+    wanted = tls.sds_paths(config)
+    for listener in tls.ALPN:
+        for chain in named(config, "listeners", listener)["filter_chains"]:
+            common = chain["transport_socket"]["typed_config"]["common_tls_context"]
+            for item in [*common["tls_certificate_sds_secret_configs"],
+                         common.get("validation_context_sds_secret_config")]:
+                if item:
+                    item["sds_config"]["path_config_source"]["path"] = str(
+                        folder / tls.sds_file_name(item["name"]))
+    for name in wanted:
+        (folder / tls.sds_file_name(name)).write_text(
+            json.dumps(tls.sds_document(name, str(where[name]))))
     return config
 
 
@@ -89,7 +97,7 @@ def local_config(settings: Settings, endpoints_file: Path,
     if settings.tls:
         if certificates is None:
             raise ValueError("TLS is on: the certificates' folder is needed")
-        with_certificates_at(config, certificates / "server", certificates / "client-ca")
+        with_certificates_at(config, certificates)
     _socket(config["admin"]["address"])["port_value"] = settings.gateway_admin_port
     _socket(named(config, "listeners", GRPC_LISTENER)["address"])["port_value"] = (
         settings.grpc_port)
@@ -173,9 +181,9 @@ def validate(path: Path = CONFIG) -> int:
 
     config = with_files_here(yaml.safe_load(path.read_text()))
     with tempfile.TemporaryDirectory() as folder:
-        if config["static_resources"].get("secrets"):
+        if tls.sds_paths(config):
             certificates.write_local(Path(folder))
-            with_certificates_at(config, Path(folder) / "server", Path(folder) / "client-ca")
+            with_certificates_at(config, Path(folder))
         staged = Path(folder) / "envoy.yaml"
         staged.write_text(yaml.safe_dump(config))
         return subprocess.run([str(envoy_binary()), "--mode", "validate", "-c", str(staged),
