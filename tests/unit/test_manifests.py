@@ -282,6 +282,32 @@ def test_the_gateway_config_is_what_make_gateway_config_writes() -> None:
     assert render(text, allowed_admin_rpcs(yaml.safe_load(SERVE_CONFIG.read_text()))) == text
 
 
+def test_the_tls_variants_are_what_make_gateway_config_writes() -> None:
+    from gateway import tls
+
+    assert tls.main(["--check"]) == 0
+
+
+def test_the_tls_variants_speak_only_tls_and_mtls_asks_for_a_certificate() -> None:
+    """Both client listeners, no filter chain left in clear, TLS 1.2 at least, h2 for gRPC;
+    only the mtls variant requires a client certificate, verified against the site's CA."""
+    from gateway import tls
+    from gateway.routes import named
+
+    for component, client_certificates in tls.VARIANTS.items():
+        config = yaml.safe_load(tls.variant_path(component).read_text())
+        for listener, alpn in tls.ALPN.items():
+            for chain in named(config, "listeners", listener)["filter_chains"]:
+                socket = chain["transport_socket"]["typed_config"]
+                context = socket["common_tls_context"]
+                assert context["tls_params"]["tls_minimum_protocol_version"] == "TLSv1_2"
+                assert context["alpn_protocols"] == alpn
+                assert socket.get("require_client_certificate", False) is client_certificates
+                assert ("validation_context_sds_secret_config" in context) is client_certificates
+        assert sorted(tls.sds_paths(config)) == sorted(
+            [tls.SERVER_CERTIFICATE] + ([tls.CLIENT_CA] if client_certificates else []))
+
+
 def test_the_gateway_refuses_a_missing_token_in_the_forwarders_words() -> None:
     from gateway.local import HERE
     from triton_pod.access import UNAUTHENTICATED
