@@ -168,7 +168,9 @@ def _served_serial(stack: TlsStack) -> int:
     context.load_cert_chain(str(stack.files.client_cert), str(stack.files.client_key))
     with socket.create_connection(("localhost", stack.grpc_port), timeout=10) as raw, \
             context.wrap_socket(raw, server_hostname="localhost") as wrapped:
-        return x509.load_der_x509_certificate(wrapped.getpeercert(True)).serial_number
+        served = wrapped.getpeercert(True)
+        assert served is not None, "the gateway served no certificate"
+        return x509.load_der_x509_certificate(served).serial_number
 
 
 def test_a_renewed_certificate_is_served_without_a_call_failing(tls_stack: TlsStack) -> None:
