@@ -91,19 +91,21 @@ def session_members(sid: int) -> dict[int, list[str]]:
     return members
 
 
-def kill_session(sid: int) -> None:
+def kill_session(sid: int, sig: signal.Signals = signal.SIGKILL) -> None:
     """Ray's workers change process group (and HAProxy is their child): a session holds all."""
     for pid in session_members(sid):
         with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, sig)
 
 
 def terminate(process: subprocess.Popen[bytes], grace_s: float) -> None:
-    """SIGTERM to the child's group, then SIGKILL to whatever of its session is left."""
+    """SIGTERM to the child's whole session (Ray's workers are in groups of their own), then
+    SIGKILL to whatever of it is left."""
     try:
         os.killpg(process.pid, signal.SIGTERM)
     except ProcessLookupError:
         return
+    kill_session(process.pid, signal.SIGTERM)
     with contextlib.suppress(subprocess.TimeoutExpired):
         process.wait(timeout=grace_s)
     kill_session(process.pid)
