@@ -71,3 +71,23 @@ def test_the_port_table_of_docs_local_md_is_the_settings() -> None:
     wrong = {name: (table.get(name), settings.get(name)) for name in {*table, *settings}
              if table.get(name) != settings.get(name)}
     assert wrong == {}, f"docs/local.md's port table vs Settings, (table, settings): {wrong}"
+
+
+@pytest.mark.parametrize(("env", "tls", "mtls"), [
+    ({}, False, False), ({"TLS": "0"}, False, False), ({"TLS": "1"}, True, False),
+    ({"TLS": "1", "MTLS": "1"}, True, True)])
+def test_tls_switches(env: dict[str, str], tls: bool, mtls: bool) -> None:
+    settings = Settings.from_env(env)
+    assert (settings.tls, settings.mtls) == (tls, mtls)
+
+
+@pytest.mark.parametrize(("env", "says"), [
+    ({"TLS": "yes"}, "TLS='yes': 1 turns it on"),
+    ({"MTLS": "1"}, "MTLS=1 asks clients for certificates over TLS: add TLS=1"),
+    ({"TLS": "1", "DATA_PATH": "serve"}, "the Serve path has none"),
+    ({"TLS": "1", "JWKS_FILE": "/tmp/jwks.json"}, "JWKS_FILE: checking tokens"),
+])
+def test_tls_settings_that_cannot_work_are_refused_saying_why(env: dict[str, str],
+                                                              says: str) -> None:
+    with pytest.raises(SystemExit, match=re.escape(says)):
+        Settings.from_env(env)
