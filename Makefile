@@ -39,6 +39,7 @@ validate: venv prometheus
 	$(PY) -m yamllint -s .
 	$(PY) -m gateway.routes --check
 	$(PY) -m gateway.tls --check
+	$(PY) -m gateway.jwt --check
 	$(PY) -m observability.dashboard --check
 	promtool check rules observability/alerts.yaml
 	promtool test rules observability/alerts_test.yaml
@@ -76,10 +77,12 @@ schemas: venv
 
 # Writes the gateway's refused-RPC routes from the RPC table and the Serve config's
 # allowed_admin_rpcs (gateway/envoy.yaml, between its markers), then its TLS variants from it
-# (components/tls, components/mtls).
+# (components/tls, components/mtls), and the token checks' configs (gateway/jwt.py: off, and
+# each site's from its jwt.env and jwks.json).
 gateway-config: venv
 	$(PY) -m gateway.routes
 	$(PY) -m gateway.tls
+	$(PY) -m gateway.jwt
 
 # Writes the Grafana dashboard (observability/dashboard.json) and the PrometheusRule of
 # components/prometheus-monitors from their sources in observability/.

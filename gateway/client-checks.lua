@@ -183,25 +183,96 @@ local function load()
   end
 end
 
-local function check_token(handle)
-  local now = os.time()
-  if now - checked_at >= RECHECK_S then
-    checked_at = now
-    load()
+-- OIDC / WLCG tokens (gateway/jwt.py): jwt_authn, before this filter, has checked the
+-- signature, exp, nbf, issuer and audience of a bearer JWT; it leaves the claims, or why the
+-- token failed, in the call's metadata. On while SONIC_RAY_JWT_ISSUER is set; a required scope
+-- (SONIC_RAY_JWT_SCOPE, in the space-separated `scope` claim) or group (SONIC_RAY_JWT_GROUP,
+-- in `wlcg.groups`) is checked here. A static token suffices beside a JWT.
+local function env_or_nil(name)
+  local value = os.getenv(name)
+  if value == nil or value:match("^%s*$") then return nil end
+  return value
+end
+
+local JWT_ISSUER = env_or_nil("SONIC_RAY_JWT_ISSUER")
+local JWT_SCOPE = env_or_nil("SONIC_RAY_JWT_SCOPE")
+local JWT_GROUP = env_or_nil("SONIC_RAY_JWT_GROUP")
+local JWT_METADATA = "envoy.filters.http.jwt_authn"
+
+-- What the verified claims lack of the site's requirements, or nil.
+local function claims_lacking(payload)
+  if JWT_SCOPE ~= nil then
+    local found = false
+    for scope in tostring(payload["scope"] or ""):gmatch("%S+") do
+      if scope == JWT_SCOPE then found = true end
+    end
+    if not found then return "the scope " .. JWT_SCOPE end
   end
+  if JWT_GROUP ~= nil then
+    local found = false
+    local groups = payload["wlcg.groups"]
+    if type(groups) == "table" then
+      for _, group in pairs(groups) do
+        if group == JWT_GROUP then found = true end
+      end
+    end
+    if not found then return "the group " .. JWT_GROUP end
+  end
+  return nil
+end
+
+local function refuse_credentials(handle, grpc_code, http_status, message, challenge)
+  local headers = handle:headers()
+  local content_type = headers:get("content-type") or ""
+  if content_type:sub(1, 16) == "application/grpc" then
+    -- A gRPC trailers-only answer: what a Triton client reads as this status.
+    handle:respond({[":status"] = "200", ["content-type"] = "application/grpc",
+                    ["grpc-status"] = tostring(grpc_code), ["grpc-message"] = message,
+                    ["www-authenticate"] = challenge}, "")
+  else
+    -- The HTTP listener's local_reply_config gives it Triton's error shape.
+    handle:respond({[":status"] = tostring(http_status), ["www-authenticate"] = challenge},
+                   message)
+  end
+end
+
+local function check_credentials(handle)
   local headers = handle:headers()
   local presented = headers:get("authorization")
   headers:remove("authorization")
   local token = presented and presented:match("^[Bb][Ee][Aa][Rr][Ee][Rr]%s+(.-)%s*$")
-  if tokens ~= nil and token ~= nil and token ~= "" and tokens[token] then return true end
-  local content_type = headers:get("content-type") or ""
-  if content_type:sub(1, 16) == "application/grpc" then
-    -- A gRPC trailers-only answer: what a Triton client reads as UNAUTHENTICATED.
-    handle:respond({[":status"] = "200", ["content-type"] = "application/grpc",
-                    ["grpc-status"] = "16", ["grpc-message"] = UNAUTHENTICATED}, "")
+  local failure = nil
+  if JWT_ISSUER ~= nil then
+    local verified = handle:streamInfo():dynamicMetadata():get(JWT_METADATA) or {}
+    local payload = verified["payload"]
+    if payload ~= nil then
+      local lacking = claims_lacking(payload)
+      if lacking == nil then return true end
+      refuse_credentials(handle, GRPC_CODES.PERMISSION_DENIED, 403,
+                         "the token lacks " .. lacking .. " this endpoint requires",
+                         'Bearer error="insufficient_scope"')
+      return false
+    end
+    local status = verified["failure"]
+    if token ~= nil and token ~= "" and type(status) == "table" then
+      failure = tostring(status["message"] or "the token failed its checks")
+    end
+  end
+  if path ~= nil then
+    local now = os.time()
+    if now - checked_at >= RECHECK_S then
+      checked_at = now
+      load()
+    end
+    if tokens ~= nil and token ~= nil and token ~= "" and tokens[token] then return true end
+  end
+  if failure ~= nil then
+    local message = "invalid token: " .. failure
+    refuse_credentials(handle, GRPC_CODES.UNAUTHENTICATED, 401, message,
+                       'Bearer error="invalid_token", error_description="' ..
+                       failure:gsub('["\\]', "") .. '"')
   else
-    -- The HTTP listener's local_reply_config gives it Triton's error shape.
-    handle:respond({[":status"] = "401", ["www-authenticate"] = "Bearer"}, UNAUTHENTICATED)
+    refuse_credentials(handle, GRPC_CODES.UNAUTHENTICATED, 401, UNAUTHENTICATED, "Bearer")
   end
   return false
 end
@@ -212,7 +283,7 @@ function envoy_on_request(handle)
   headers:remove("triton-grpc-protocol-sonic-ray-admin")
   headers:remove("sonic-ray-admin")
   if not check_subject(handle) then return end
-  if path ~= nil and not check_token(handle) then return end
+  if (path ~= nil or JWT_ISSUER ~= nil) and not check_credentials(handle) then return end
   local request_path = headers:get(":path")
   local grpc = request_path == JOB_START_GRPC
   if grpc or request_path == JOB_START_HTTP then

@@ -55,11 +55,29 @@ def _lua_filters(config: dict[str, Any]) -> list[dict[str, Any]]:
     return found
 
 
-def with_files_here(config: dict[str, Any]) -> dict[str, Any]:
-    """The config with the files it loads from the ConfigMap's mount read from this folder."""
+def _discovered_filters(config: dict[str, Any]) -> list[dict[str, Any]]:
+    """The path_config_source of every HTTP filter whose config comes by discovery."""
+    found = []
+    for listener in config["static_resources"]["listeners"]:
+        for chain in listener.get("filter_chains", []):
+            for network_filter in chain.get("filters", []):
+                for http_filter in network_filter.get("typed_config", {}).get("http_filters", []):
+                    source = ((http_filter.get("config_discovery") or {}).get("config_source")
+                              or {}).get("path_config_source")
+                    if source:
+                        found.append(source)
+    return found
+
+
+def with_files_here(config: dict[str, Any], folder: Path = HERE) -> dict[str, Any]:
+    """The config with the files it loads from the ConfigMap's mount read from `folder`."""
     for source in _lua_filters(config):
         if str(source.get("filename", "")).startswith(MOUNTED_AT + "/"):
             source["filename"] = str(HERE / Path(source["filename"]).name)
+    for source in _discovered_filters(config):
+        if str(source["path"]).startswith(MOUNTED_AT + "/"):
+            source["path"] = str(folder / Path(source["path"]).name)
+            source["watched_directory"] = {"path": str(folder)}
     return config
 
 
@@ -82,6 +100,11 @@ def with_certificates_at(config: dict[str, Any], folder: Path) -> dict[str, Any]
     return config
 
 
+def jwt_folder(endpoints_file: Path) -> Path:
+    """A folder of its own: Envoy re-reads a discovered config on any move in its folder."""
+    return endpoints_file.parent / "jwt"
+
+
 def config_path(settings: Settings) -> Path:
     """What ships for these settings: the base config or a TLS component's variant."""
     if settings.tls:
@@ -91,9 +114,11 @@ def config_path(settings: Settings) -> Path:
 
 def local_config(settings: Settings, endpoints_file: Path,
                  http_endpoints_file: Path, certificates: Path | None = None) -> dict[str, Any]:
-    """`certificates`: the folder of local_stack/certificates.py's files, with TLS on."""
+    """`certificates`: the folder of local_stack/certificates.py's files, with TLS on. The
+    token checks' config (gateway/jwt.py) is read from jwt_folder(endpoints_file), where the
+    stack writes it."""
     config: dict[str, Any] = with_files_here(
-        yaml.safe_load(config_path(settings).read_text()))
+        yaml.safe_load(config_path(settings).read_text()), jwt_folder(endpoints_file))
     if settings.tls:
         if certificates is None:
             raise ValueError("TLS is on: the certificates' folder is needed")

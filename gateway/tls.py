@@ -112,8 +112,6 @@ def with_tls(config: dict[str, Any], client_certificates: bool) -> dict[str, Any
     for listener in ALPN:
         for chain in named(config, "listeners", listener)["filter_chains"]:
             chain["transport_socket"] = transport_socket(listener, client_certificates)
-    # Secrets from discovery need the node named (any name: nothing is asked of a server).
-    config["node"] = {"id": "triton-gateway", "cluster": "triton-gateway"}
     return config
 
 

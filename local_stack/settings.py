@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import secrets
 import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from gateway.jwt import AUDIENCES_ENV, CLOCK_SKEW_ENV, ISSUER_ENV, JwtSettings, check_jwks
 from triton_pod.admission import PORT_ENV as ADMISSION_PORT_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,6 +42,33 @@ def switch_env(env: Mapping[str, str], name: str) -> bool:
     if raw not in ("", "0", "1"):
         raise SystemExit(f"{name}={raw!r}: 1 turns it on, 0 or nothing leaves it off")
     return raw == "1"
+
+
+JWT_VARIABLES = ("JWKS_FILE", "JWT_ISSUER", "JWT_AUDIENCE")
+
+
+def _jwt_settings(env: Mapping[str, str], data_path: str) -> dict[str, Any]:
+    """JWKS_FILE, JWT_ISSUER and JWT_AUDIENCE: all three or none."""
+    given = [name for name in JWT_VARIABLES if env.get(name)]
+    if not given:
+        return {}
+    if len(given) < len(JWT_VARIABLES):
+        missing = [name for name in JWT_VARIABLES if name not in given]
+        raise SystemExit(f"{', '.join(given)} without {', '.join(missing)}: token checks need "
+                         "the JWKS file, the issuer and the audience")
+    if data_path != "gateway":
+        raise SystemExit("JWKS_FILE: token checks are the gateway's (DATA_PATH=gateway)")
+    jwks_file = Path(env["JWKS_FILE"]).resolve()
+    try:
+        check_jwks(jwks_file.read_text())
+        jwt = JwtSettings.from_env({ISSUER_ENV: env["JWT_ISSUER"],
+                                    AUDIENCES_ENV: env["JWT_AUDIENCE"],
+                                    CLOCK_SKEW_ENV: env.get(CLOCK_SKEW_ENV, "")})
+    except OSError as error:
+        raise SystemExit(f"JWKS_FILE={jwks_file}: {error.strerror}") from None
+    except ValueError as error:
+        raise SystemExit(f"JWKS_FILE={jwks_file}: {error}") from None
+    return {"jwt": jwt, "jwks_file": jwks_file}
 
 
 def env_file(path: Path) -> dict[str, str]:
@@ -91,6 +121,9 @@ class Settings:
     # signed by the stack's CA too (components/mtls).
     tls: bool = False
     mtls: bool = False
+    # Token checks against a JWKS file (JWKS_FILE, JWT_ISSUER, JWT_AUDIENCE): None when off.
+    jwt: JwtSettings | None = None
+    jwks_file: Path | None = None
 
     def triton(self, index: int) -> TritonPorts:
         """The ports of the Triton of simulated pod `index`."""
@@ -157,10 +190,7 @@ class Settings:
         if settings.tls and data_path != "gateway":
             raise SystemExit("TLS=1 is the gateway's front door: the Serve path has none "
                              "(DATA_PATH=gateway)")
-        unbuilt = [name for name in ("JWKS_FILE", "JWT_ISSUER", "JWT_AUDIENCE") if env.get(name)]
-        if unbuilt:
-            raise SystemExit(f"{', '.join(unbuilt)}: checking tokens against a JWKS is not "
-                             "built yet; unset them (docs/front-door.md)")
+        settings = dataclasses.replace(settings, **_jwt_settings(env, data_path))
         settings.check_ports()
         return settings
 

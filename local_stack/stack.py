@@ -39,6 +39,7 @@ from typing import Any
 import grpc
 import yaml
 
+from gateway import jwt
 from gateway import local as gateway
 from gateway.routes import HTTP_CLUSTER
 from local_stack import certificates, prometheus, ray_cluster, triton
@@ -125,6 +126,51 @@ def http_ready(port: int, headers: tuple[tuple[str, str], ...] = (), host: str =
         return f"HTTP on {port}: {error}"
 
 
+class JwksFollower:
+    """The gateway's token checks (gateway/jwt.py) as JWKS_FILE, JWT_ISSUER and JWT_AUDIENCE
+    set them, off without them; the file rewritten when JWKS_FILE changes, as an identity
+    provider rotates its keys."""
+
+    def __init__(self, settings: Settings, folder: Path) -> None:
+        self.settings = settings
+        self.path = folder / jwt.JWT_AUTHN_FILE
+        folder.mkdir(parents=True, exist_ok=True)
+        self._seen: str | None = None
+
+    def write(self) -> None:
+        s = self.settings
+        if s.jwt is None or s.jwks_file is None:
+            jwt.write(self.path, None)
+            return
+        text = s.jwks_file.read_text()
+        jwt.write(self.path, s.jwt, text)
+        self._seen = text
+
+    def follow(self) -> None:
+        s = self.settings
+        if s.jwks_file is None:
+            return
+        try:
+            text = s.jwks_file.read_text()
+        except OSError as error:
+            text = f"unreadable: {error}"
+        if text == self._seen:
+            return
+        self._seen = text
+        try:
+            jwt.check_jwks(text)
+        except ValueError as error:
+            say(f"gateway: JWKS_FILE unusable ({error}); the last good keys stay")
+            return
+        jwt.write(self.path, s.jwt, text)
+        say("gateway: JWKS_FILE changed; the token checks use its keys now")
+
+    def lua_env(self) -> dict[str, str]:
+        """What client-checks.lua reads: the issuer turns the token checks on there."""
+        jwt_settings = self.settings.jwt
+        return {jwt.ISSUER_ENV: jwt_settings.issuer} if jwt_settings is not None else {}
+
+
 class Discovery:
     """Gateway path: which Tritons Envoy may call, rewritten as pods become ready or go.
     A pod is listed while its Triton is ready, Serve runs a replica on its node and it is not
@@ -178,6 +224,8 @@ class Discovery:
         s = self._stack.settings
         while not self._stop.wait(0.5):
             self._stack.check_deletions()
+            if self._stack.jwks is not None:
+                self._stack.jwks.follow()
             with_replica = self._replica_pods()
             ready = {i for i in with_replica
                      if not self._stack.tritons[i].retiring
@@ -213,6 +261,7 @@ class LocalStack:
         self.envoy: Supervisor | None = None
         self.prometheus: subprocess.Popen[bytes] | None = None
         self.discovery: Discovery | None = None
+        self.jwks: JwksFollower | None = None
         # With TLS=1: the CA, client certificate and key a client of this stack uses.
         self.client_tls: certificates.Files | None = None
 
@@ -250,6 +299,9 @@ class LocalStack:
                    if s.mtls else "")
                 + " (gRPC), or https://localhost:" + str(s.http_port)
                 + (" (the client certificate required)" if s.mtls else ""))
+        if s.jwt is not None:
+            say(f"jwt: calls need `authorization: Bearer <JWT>` signed by a key of {s.jwks_file}, "
+                f"iss {s.jwt.issuer}, aud {','.join(s.jwt.audiences)}")
         say(f"{READY} Triton answers ServerReady through {s.client_port_owner} "
             f"at localhost:{s.grpc_port}, and HTTP at localhost:{s.http_port}")
 
@@ -285,6 +337,8 @@ class LocalStack:
         s = self.settings
         self.discovery = Discovery(self)
         config_path = self.workdir / "gateway" / "envoy.yaml"
+        jwks = self.jwks = JwksFollower(s, gateway.jwt_folder(self.discovery.path))
+        jwks.write()
         if s.tls:
             self.client_tls, _ = certificates.write_local(self.workdir / "tls")
         config_path.write_text(yaml.safe_dump(gateway.local_config(
@@ -295,6 +349,7 @@ class LocalStack:
         self.envoy = Supervisor("gateway: Envoy", gateway.command(config_path),
                                 self.workdir / "envoy.log",
                                 lambda: {**os.environ, **s.admission_env(),
+                                         **jwks.lua_env(),
                                          ADMIN_KEY_ENV: self.admin_key}, say)
         self.envoy.start()
         say(f"gateway: Envoy listens on {s.grpc_port} (gRPC) and {s.http_port} (HTTP)")
@@ -336,6 +391,11 @@ class LocalStack:
         credentials = tokens.credentials() if tokens is not None else ()
 
         files = self.client_tls
+        # With only JWTs accepted the stack holds no credential (it has the keys' public
+        # half): the gateway refusing it for want of a token, with a Triton in its rotation,
+        # is the answer that says calls with a token pass.
+        refused_only = s.jwt is not None and not credentials
+        unauthenticated = f"{grpc.StatusCode.UNAUTHENTICATED.name}: "
 
         def clients_endpoint_ready() -> Any:
             if files is None:
@@ -343,7 +403,10 @@ class LocalStack:
             else:
                 with tls_channel(s.grpc_port, files) as channel:
                     answer = server_ready(s.grpc_port, credentials, channel)
-            if answer is True:
+            if refused_only and str(answer).startswith(unauthenticated):
+                answer = (True if gateway.upstream_ports(s.gateway_admin_port, healthy_only=True)
+                          else "no Triton in the gateway's rotation yet")
+            elif answer is True:
                 answer = http_ready(s.http_port, credentials,
                                     context=tls_context(files) if files is not None else None)
             if answer is True:

@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 
 from gateway import tls
+from gateway.jwt import ISSUER_ENV as JWT_ISSUER_ENV
 from gateway.routes import (
     CONTROL_PLANE_CLUSTER,
     GRPC_CLUSTER,
@@ -346,8 +347,12 @@ def _tls_facts(facts: Facts, deployment: dict[str, Any], envoy: dict[str, Any],
                  for name in tls.ALPN
                  for chain in named(envoy, "listeners", name).get("filter_chains") or []}
     env = {e.get("name") for e in container.get("env") or []}
+    config_maps = {(o.get("metadata") or {}).get("name"): o.get("data") or {} for o in stream
+                   if o.get("kind") == "ConfigMap"}
+    issuers = [config_maps.get(name, {}).get(JWT_ISSUER_ENV) for name in _env_sources(container)]
     credentials = sorted(
-        {"bearer tokens (SONIC_RAY_AUTH_TOKENS_FILE)"} if TOKENS_FILE_ENV in env else set())
+        ({"bearer tokens (SONIC_RAY_AUTH_TOKENS_FILE)"} if TOKENS_FILE_ENV in env else set())
+        | ({f"JWTs ({JWT_ISSUER_ENV})"} if any(issuers) else set()))
     ingress_tls = any(o.get("kind") == "Ingress" and (o.get("spec") or {}).get("tls")
                       for o in stream)
     annotations = (deployment.get("metadata") or {}).get("annotations") or {}

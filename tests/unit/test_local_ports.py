@@ -85,7 +85,10 @@ def test_tls_switches(env: dict[str, str], tls: bool, mtls: bool) -> None:
     ({"TLS": "yes"}, "TLS='yes': 1 turns it on"),
     ({"MTLS": "1"}, "MTLS=1 asks clients for certificates over TLS: add TLS=1"),
     ({"TLS": "1", "DATA_PATH": "serve"}, "the Serve path has none"),
-    ({"TLS": "1", "JWKS_FILE": "/tmp/jwks.json"}, "JWKS_FILE: checking tokens"),
+    ({"JWKS_FILE": "/tmp/jwks.json"}, "JWKS_FILE without JWT_ISSUER, JWT_AUDIENCE"),
+    ({"JWKS_FILE": "/nonexistent/jwks.json", "JWT_ISSUER": "i", "JWT_AUDIENCE": "a"},
+     "JWKS_FILE=/nonexistent/jwks.json: No such file"),
+    ({"JWKS_FILE": "/etc/hostname", "JWT_ISSUER": "i", "JWT_AUDIENCE": "a"}, "not JSON"),
 ])
 def test_tls_settings_that_cannot_work_are_refused_saying_why(env: dict[str, str],
                                                               says: str) -> None:

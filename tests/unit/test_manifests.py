@@ -308,6 +308,28 @@ def test_the_tls_variants_speak_only_tls_and_mtls_asks_for_a_certificate() -> No
             [tls.SERVER_CERTIFICATE] + ([tls.CLIENT_CA] if client_certificates else []))
 
 
+def test_a_site_with_token_checks_ships_its_config_and_settings_to_the_gateway() -> None:
+    """components/jwt as a site uses it (tests/fixtures/components/jwt-site): the overlay's
+    jwt-authn.yaml in the gateway's ConfigMap, its settings in the envoy container's env,
+    admission's kept; without TLS in front the check refuses the build."""
+    from gateway.jwt import ISSUER_ENV, JWT_AUTHN_FILE, PROVIDER
+
+    site = ROOT / "tests" / "fixtures" / "components" / "jwt-site"
+    built = build(site)
+    problems, _ = checked(built)
+    assert problems == []
+    (gateway,) = [o for o in built if o["kind"] == "Deployment"]
+    container = gateway["spec"]["template"]["spec"]["containers"][0]
+    config_maps = {o["metadata"]["name"]: o["data"] for o in built if o["kind"] == "ConfigMap"}
+    sources = [s["configMapRef"]["name"] for s in container["envFrom"]]
+    assert [config_maps[s].get(ISSUER_ENV) for s in sources][1] == (
+        "https://cms-auth.web.cern.ch/")
+    assert any("SONIC_RAY_GATE_STATUS" in config_maps[s] for s in sources)
+    (envoy_files,) = [d for d in config_maps.values() if "envoy.yaml" in d]
+    discovered = yaml.safe_load(envoy_files[JWT_AUTHN_FILE])
+    assert PROVIDER in discovered["resources"][0]["typed_config"]["providers"]
+
+
 def test_the_gateway_refuses_a_missing_token_in_the_forwarders_words() -> None:
     from gateway.local import HERE
     from triton_pod.access import UNAUTHENTICATED

@@ -1,0 +1,166 @@
+"""The gateway's check of OIDC / WLCG tokens: Envoy's jwt_authn filter, whose config Envoy reads
+by extension config discovery from a file beside envoy.yaml (JWT_AUTHN_FILE), so that a site's
+issuer and keys change that file alone and a rewritten file takes effect without a restart.
+
+jwt_authn checks the signature against the JWKS, `exp` and `nbf` with a clock skew, the issuer
+and the audience, and never refuses by itself (allow_missing_or_failed): it leaves the verified
+claims, or why the token failed, in the call's metadata, and client-checks.lua decides, so that
+a static token (components/token-auth) still suffices beside a JWT, a required scope or group
+is checked, and every refusal carries RFC 6750's `WWW-Authenticate` with the reason.
+
+The settings, one home for the Lua and this file (SETTINGS; docs/front-door.md):
+SONIC_RAY_JWT_ISSUER, SONIC_RAY_JWT_AUDIENCES (comma-separated), SONIC_RAY_JWT_SCOPE (a scope
+the `scope` claim must hold), SONIC_RAY_JWT_GROUP (a group `wlcg.groups` must hold),
+SONIC_RAY_JWT_CLOCK_SKEW_S; the keys are a JWKS document written into the file.
+
+A site turns them on with components/jwt and, in its overlay, jwt.env (the settings) and
+jwks.json (its identity provider's keys): `make gateway-config` writes the overlay's
+jwt-authn.yaml from both (SITE_FILES), which the overlay merges into the gateway's ConfigMap.
+
+    python -m gateway.jwt [--check]    # gateway/jwt-authn.yaml (off), and every site's
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from gateway.routes import ROOT
+from tools.generated import write_or_check
+
+FILTER_NAME = "sonic-ray.jwt"
+JWT_AUTHN_FILE = "jwt-authn.yaml"
+SHIPPED = ROOT / "gateway" / JWT_AUTHN_FILE
+PROVIDER = "site"
+# Where the verified claims and a failure's status land in the call's metadata (the filter's
+# namespace), for client-checks.lua.
+METADATA_NAMESPACE = "envoy.filters.http.jwt_authn"
+PAYLOAD_KEY, FAILURE_KEY = "payload", "failure"
+JWT_AUTHN_TYPE = "type.googleapis.com/envoy.extensions.filters.http.jwt_authn.v3.JwtAuthentication"
+EXTENSION_TYPE = "type.googleapis.com/envoy.config.core.v3.TypedExtensionConfig"
+ISSUER_ENV, AUDIENCES_ENV = "SONIC_RAY_JWT_ISSUER", "SONIC_RAY_JWT_AUDIENCES"
+SCOPE_ENV, GROUP_ENV = "SONIC_RAY_JWT_SCOPE", "SONIC_RAY_JWT_GROUP"
+CLOCK_SKEW_ENV = "SONIC_RAY_JWT_CLOCK_SKEW_S"
+SETTINGS = (ISSUER_ENV, AUDIENCES_ENV, SCOPE_ENV, GROUP_ENV, CLOCK_SKEW_ENV)
+DEFAULT_CLOCK_SKEW_S = 60
+
+
+@dataclass(frozen=True)
+class JwtSettings:
+    issuer: str
+    audiences: tuple[str, ...]
+    clock_skew_s: int = DEFAULT_CLOCK_SKEW_S
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> JwtSettings | None:
+        """The settings, or None with no issuer (the checks off); bad ones raise ValueError
+        naming the variable."""
+        issuer = env.get(ISSUER_ENV, "").strip()
+        if not issuer:
+            if env.get(AUDIENCES_ENV, "").strip():
+                raise ValueError(f"{AUDIENCES_ENV} is set without {ISSUER_ENV}")
+            return None
+        audiences = tuple(a.strip() for a in env.get(AUDIENCES_ENV, "").split(",") if a.strip())
+        if not audiences:
+            raise ValueError(f"{AUDIENCES_ENV} is empty: a token for another service would pass")
+        raw = env.get(CLOCK_SKEW_ENV, "").strip() or str(DEFAULT_CLOCK_SKEW_S)
+        if not raw.isdigit() or int(raw) > 300:
+            raise ValueError(f"{CLOCK_SKEW_ENV}={raw!r}: whole seconds, 0 to 300")
+        return cls(issuer, audiences, int(raw))
+
+
+def check_jwks(text: str) -> dict[str, Any]:
+    """The JWKS document, or ValueError saying why it is none."""
+    try:
+        jwks = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"not JSON: {error}") from None
+    if not isinstance(jwks, dict) or not isinstance(jwks.get("keys"), list) or not jwks["keys"]:
+        raise ValueError('not a JWKS: no {"keys": [...]} with a key')
+    return jwks
+
+
+def filter_config(settings: JwtSettings | None, jwks_text: str = "") -> dict[str, Any]:
+    """jwt_authn's config: no provider (every call passes untouched) without settings."""
+    if settings is None:
+        return {"@type": JWT_AUTHN_TYPE}
+    check_jwks(jwks_text)
+    return {
+        "@type": JWT_AUTHN_TYPE,
+        "providers": {PROVIDER: {
+            "issuer": settings.issuer,
+            "audiences": list(settings.audiences),
+            "local_jwks": {"inline_string": jwks_text},
+            "from_headers": [{"name": "authorization", "value_prefix": "Bearer "}],
+            # The token goes no further than the gateway: Triton never sees it.
+            "forward": False,
+            "clock_skew_seconds": settings.clock_skew_s,
+            "payload_in_metadata": PAYLOAD_KEY,
+            "failed_status_in_metadata": FAILURE_KEY,
+        }},
+        "rules": [{"match": {"prefix": "/"}, "requires": {"requires_any": {"requirements": [
+            {"provider_name": PROVIDER}, {"allow_missing_or_failed": {}}]}}}],
+    }
+
+
+def document(settings: JwtSettings | None, jwks_text: str = "") -> dict[str, Any]:
+    """The discovery response Envoy reads from JWT_AUTHN_FILE."""
+    return {"resources": [{"@type": EXTENSION_TYPE, "name": FILTER_NAME,
+                           "typed_config": filter_config(settings, jwks_text)}]}
+
+
+def write(path: Path, settings: JwtSettings | None, jwks_text: str = "") -> None:
+    """Replaced by a rename, the move Envoy's watch on the folder reloads on."""
+    staged = path.with_name(path.name + ".new")
+    staged.write_text(json.dumps(document(settings, jwks_text)))
+    staged.replace(path)
+
+
+def render_shipped() -> str:
+    return ("# The gateway's token check, off: jwt_authn with no provider lets every call pass\n"
+            "# (gateway/jwt.py writes it with `make gateway-config`; a site's own replaces it).\n"
+            + yaml.safe_dump(document(None), sort_keys=False))
+
+
+# A site's sources (in its overlay) and what is written from them beside them.
+SITE_FILES = ("jwt.env", "jwks.json")
+
+
+def site_folders() -> list[Path]:
+    """Every overlay (and fixture) with a jwt.env."""
+    return sorted(p.parent for base in (ROOT / "overlays", ROOT / "tests" / "fixtures")
+                  for p in base.rglob(SITE_FILES[0]))
+
+
+def render_site(folder: Path) -> str:
+    from local_stack.settings import env_file
+
+    env_path, jwks_path = (folder / name for name in SITE_FILES)
+    try:
+        settings = JwtSettings.from_env(env_file(env_path))
+        if settings is None:
+            raise ValueError(f"no {ISSUER_ENV}")
+        config = document(settings, jwks_path.read_text())
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"{folder}: {error}") from None
+    return (f"# This site's token checks: written by `make gateway-config` (gateway/jwt.py) from\n"
+            f"# {SITE_FILES[0]} and {SITE_FILES[1]} here; edit those, not this file.\n"
+            + yaml.safe_dump(config, sort_keys=False, width=100))
+
+
+def main(argv: list[str] | None = None) -> int:
+    failed = write_or_check(SHIPPED, render_shipped(), argv, __doc__, "make gateway-config")
+    for folder in site_folders():
+        failed |= write_or_check(folder / JWT_AUTHN_FILE, render_site(folder), argv, __doc__,
+                                 "make gateway-config")
+    return failed
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,197 @@
+"""OIDC / WLCG tokens at the gateway end to end: a stack of its own started as `make local
+JWKS_FILE=... JWT_ISSUER=... JWT_AUDIENCE=...` with a required scope and a static token beside,
+tokens minted here (PyJWT) with keys of our own, real tritonclient clients. Triton forwards
+every header it gets into the echo_headers model's output here, so what reached Triton shows."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jwt
+import numpy as np
+import pytest
+import tritonclient.grpc as tc
+from cryptography.hazmat.primitives.asymmetric import rsa
+from jwt.algorithms import RSAAlgorithm
+from tritonclient.utils import InferenceServerException
+
+from local_stack.harness import processes_left_behind, running_stack
+from local_stack.polling import until
+from local_stack.triton_inputs import tensor
+from tests.support.raw_http import request
+
+ISSUER = "https://idp.sonic-ray.test"
+AUDIENCE = "sonic-ray"
+SCOPE = "compute.read"
+STATIC = "tok-static-4b1d"
+
+
+def _key() -> rsa.RSAPrivateKey:
+    return rsa.generate_private_key(public_exponent=65537, key_size=2048)
+
+
+def _jwks(*keys: tuple[str, rsa.RSAPrivateKey]) -> str:
+    found = []
+    for kid, key in keys:
+        jwk = json.loads(RSAAlgorithm.to_jwk(key.public_key()))
+        jwk.update(kid=kid, alg="RS256", use="sig")
+        found.append(jwk)
+    return json.dumps({"keys": found})
+
+
+@dataclass
+class JwtStack:
+    url: str
+    http_url: str
+    jwks_file: Path
+    keys: dict[str, rsa.RSAPrivateKey]
+    workdir: Path
+
+
+@pytest.fixture(scope="module")
+def jwt_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[JwtStack]:
+    folder = tmp_path_factory.mktemp("jwt")
+    keys = {"k1": _key(), "k2": _key()}
+    jwks_file = folder / "jwks.json"
+    jwks_file.write_text(_jwks(("k1", keys["k1"])))
+    tokens_file = folder / "tokens"
+    tokens_file.write_text(f"{STATIC}\n")
+    with running_stack({
+        "JWKS_FILE": str(jwks_file), "JWT_ISSUER": ISSUER, "JWT_AUDIENCE": AUDIENCE,
+        "SONIC_RAY_JWT_SCOPE": SCOPE, "SONIC_RAY_AUTH_TOKENS_FILE": str(tokens_file),
+        "TRITON_ARGS": "--grpc-header-forward-pattern=.* --http-header-forward-pattern=.*",
+    }) as running:
+        yield JwtStack(running.url("GRPC_PORT"), running.url("HTTP_PORT"), jwks_file, keys,
+                       running.process.workdir())
+    assert not processes_left_behind(running.process)
+
+
+def _token(stack: JwtStack, kid: str = "k1", key: rsa.RSAPrivateKey | None = None,
+           **changes: Any) -> str:
+    now = int(time.time())
+    claims: dict[str, Any] = {"iss": ISSUER, "aud": AUDIENCE, "sub": "alice", "iat": now,
+                              "nbf": now - 10, "exp": now + 600, "scope": f"openid {SCOPE}"}
+    claims.update(changes)
+    claims = {k: v for k, v in claims.items() if v is not None}
+    return jwt.encode(claims, key or stack.keys[kid], algorithm="RS256", headers={"kid": kid})
+
+
+def _unsigned(claims: dict[str, Any]) -> str:
+    return jwt.encode(claims, None, algorithm="none")  # type: ignore[arg-type]
+
+
+def _outcome(call: Callable[[], object]) -> str:
+    try:
+        call()
+    except InferenceServerException as error:
+        return f"{error.status()}: {error.message()}"
+    return "OK"
+
+
+def _infer(stack: JwtStack, token: str | None) -> str:
+    headers = {"authorization": f"Bearer {token}"} if token is not None else None
+    client = tc.InferenceServerClient(stack.url)
+    inputs = [tensor("INPUT", np.array([1], np.int32), "INT32")]
+    return _outcome(lambda: client.infer("echo_headers", inputs, headers=headers,
+                                         client_timeout=30))
+
+
+def test_a_valid_token_passes_and_never_reaches_triton(jwt_stack: JwtStack) -> None:
+    token = _token(jwt_stack)
+    client = tc.InferenceServerClient(jwt_stack.url)
+    inputs = [tensor("INPUT", np.array([1], np.int32), "INT32")]
+    result = client.infer("echo_headers", inputs, client_timeout=30,
+                          headers={"authorization": f"Bearer {token}", "x-sonic-job": "jwt"})
+    seen_by_triton = result.as_numpy("PARAMETERS")[0].decode()
+    assert '"x-sonic-job":"jwt"' in seen_by_triton
+    assert token not in seen_by_triton and "authorization" not in seen_by_triton
+
+
+def test_a_static_token_still_suffices_beside_jwts(jwt_stack: JwtStack) -> None:
+    assert _infer(jwt_stack, STATIC) == "OK"
+
+
+@pytest.mark.parametrize(("case", "says"), [
+    ("expired", "expired"),
+    ("not yet valid", "not valid yet"),
+    ("wrong issuer", "issuer"),
+    ("wrong audience", "audience"),
+    ("bad signature", "verification"),
+    ("alg none", "invalid token"),
+    ("not a JWT", "invalid token"),
+])
+def test_a_token_that_fails_a_check_is_unauthenticated_saying_why(
+        jwt_stack: JwtStack, case: str, says: str) -> None:
+    now = int(time.time())
+    makers: dict[str, Callable[[], str]] = {
+        "expired": lambda: _token(jwt_stack, exp=now - 300, nbf=now - 900, iat=now - 900),
+        "not yet valid": lambda: _token(jwt_stack, nbf=now + 600),
+        "wrong issuer": lambda: _token(jwt_stack, iss="https://another.idp"),
+        "wrong audience": lambda: _token(jwt_stack, aud="another-service"),
+        "bad signature": lambda: _token(jwt_stack, key=_key()),
+        "alg none": lambda: _unsigned({"iss": ISSUER, "aud": AUDIENCE, "exp": now + 600,
+                                       "scope": SCOPE}),
+        "not a JWT": lambda: "tok-not-known",
+    }
+    token = makers[case]()
+    outcome = _infer(jwt_stack, token)
+    assert outcome.startswith("StatusCode.UNAUTHENTICATED"), (case, outcome)
+    assert says.lower() in outcome.lower(), (case, outcome)
+
+
+def test_no_token_is_unauthenticated(jwt_stack: JwtStack) -> None:
+    outcome = _infer(jwt_stack, None)
+    assert outcome.startswith("StatusCode.UNAUTHENTICATED") and "Bearer" in outcome, outcome
+
+
+def test_a_token_without_the_required_scope_is_refused_naming_it(jwt_stack: JwtStack) -> None:
+    outcome = _infer(jwt_stack, _token(jwt_stack, scope="openid storage.read"))
+    assert outcome.startswith("StatusCode.PERMISSION_DENIED") and SCOPE in outcome, outcome
+
+
+def test_http_refusals_carry_rfc_6750_challenges(jwt_stack: JwtStack) -> None:
+    now = int(time.time())
+    expired = _token(jwt_stack, exp=now - 300, nbf=now - 900, iat=now - 900)
+    status, headers, body = request(jwt_stack.http_url, "GET", "/v2/health/ready",
+                                    headers={"Authorization": f"Bearer {expired}"})
+    assert status == 401, (status, body)
+    challenge = headers.get("www-authenticate", "")
+    assert challenge.startswith('Bearer error="invalid_token", error_description="'), challenge
+    assert "expired" in json.loads(body)["error"].lower()
+    status, headers, body = request(
+        jwt_stack.http_url, "GET", "/v2/health/ready",
+        headers={"Authorization": f"Bearer {_token(jwt_stack, scope='openid')}"})
+    assert status == 403 and headers.get("www-authenticate") == (
+        'Bearer error="insufficient_scope"'), (status, headers, body)
+    status, _, body = request(jwt_stack.http_url, "GET", "/v2/health/ready",
+                              headers={"Authorization": f"Bearer {_token(jwt_stack)}"})
+    assert status == 200, (status, body)
+
+
+def test_no_token_is_in_any_log(jwt_stack: JwtStack) -> None:
+    tokens = [_token(jwt_stack), STATIC]
+    for token in tokens:
+        assert _infer(jwt_stack, token) == "OK"
+    for log in jwt_stack.workdir.glob("*.log"):
+        text = log.read_text(errors="replace")
+        leaked = [t[:12] for t in tokens if t in text]
+        assert not leaked, f"{log} holds a token: {leaked}"
+
+
+def test_a_rotated_key_set_takes_effect_without_a_restart(jwt_stack: JwtStack) -> None:
+    """The identity provider drops k1 and signs with k2: the JWKS file rewritten, as the
+    provider publishes it; tokens of k2 pass, tokens of k1 stop passing."""
+    assert _infer(jwt_stack, _token(jwt_stack, kid="k2")).startswith(
+        "StatusCode.UNAUTHENTICATED")
+    staged = jwt_stack.jwks_file.with_name("jwks.new")
+    staged.write_text(_jwks(("k2", jwt_stack.keys["k2"])))
+    staged.replace(jwt_stack.jwks_file)
+    until("tokens of the new key to pass",
+          lambda: _infer(jwt_stack, _token(jwt_stack, kid="k2")) == "OK" or "refused", 30)
+    old = _infer(jwt_stack, _token(jwt_stack, kid="k1"))
+    assert old.startswith("StatusCode.UNAUTHENTICATED"), old
