@@ -130,13 +130,18 @@ end
 
 local SUBJECTS = subject_patterns(os.getenv("SONIC_RAY_CLIENT_SUBJECTS"))
 
-local function refuse(handle, grpc_code, http_status, message)
+-- A refusal as a Triton client reads it: a gRPC trailers-only answer with the status, or the
+-- HTTP status with the message in Triton's error shape (the listener's local_reply_config);
+-- `challenge`, when given, is the WWW-Authenticate header (RFC 6750).
+local function refuse(handle, grpc_code, http_status, message, challenge)
   local content_type = handle:headers():get("content-type") or ""
   if content_type:sub(1, 16) == "application/grpc" then
     handle:respond({[":status"] = "200", ["content-type"] = "application/grpc",
-                    ["grpc-status"] = tostring(grpc_code), ["grpc-message"] = message}, "")
+                    ["grpc-status"] = tostring(grpc_code), ["grpc-message"] = message,
+                    ["www-authenticate"] = challenge}, "")
   else
-    handle:respond({[":status"] = tostring(http_status)}, message)
+    handle:respond({[":status"] = tostring(http_status), ["www-authenticate"] = challenge},
+                   message)
   end
 end
 
@@ -188,15 +193,9 @@ end
 -- token failed, in the call's metadata. On while SONIC_RAY_JWT_ISSUER is set; a required scope
 -- (SONIC_RAY_JWT_SCOPE, in the space-separated `scope` claim) or group (SONIC_RAY_JWT_GROUP,
 -- in `wlcg.groups`) is checked here. A static token suffices beside a JWT.
-local function env_or_nil(name)
-  local value = os.getenv(name)
-  if value == nil or value:match("^%s*$") then return nil end
-  return value
-end
-
-local JWT_ISSUER = env_or_nil("SONIC_RAY_JWT_ISSUER")
-local JWT_SCOPE = env_or_nil("SONIC_RAY_JWT_SCOPE")
-local JWT_GROUP = env_or_nil("SONIC_RAY_JWT_GROUP")
+local JWT_ISSUER = setting("SONIC_RAY_JWT_ISSUER", nil)
+local JWT_SCOPE = setting("SONIC_RAY_JWT_SCOPE", nil)
+local JWT_GROUP = setting("SONIC_RAY_JWT_GROUP", nil)
 local JWT_METADATA = "envoy.filters.http.jwt_authn"
 
 -- What the verified claims lack of the site's requirements, or nil.
@@ -221,21 +220,6 @@ local function claims_lacking(payload)
   return nil
 end
 
-local function refuse_credentials(handle, grpc_code, http_status, message, challenge)
-  local headers = handle:headers()
-  local content_type = headers:get("content-type") or ""
-  if content_type:sub(1, 16) == "application/grpc" then
-    -- A gRPC trailers-only answer: what a Triton client reads as this status.
-    handle:respond({[":status"] = "200", ["content-type"] = "application/grpc",
-                    ["grpc-status"] = tostring(grpc_code), ["grpc-message"] = message,
-                    ["www-authenticate"] = challenge}, "")
-  else
-    -- The HTTP listener's local_reply_config gives it Triton's error shape.
-    handle:respond({[":status"] = tostring(http_status), ["www-authenticate"] = challenge},
-                   message)
-  end
-end
-
 local function check_credentials(handle)
   local headers = handle:headers()
   local presented = headers:get("authorization")
@@ -248,7 +232,7 @@ local function check_credentials(handle)
     if payload ~= nil then
       local lacking = claims_lacking(payload)
       if lacking == nil then return true end
-      refuse_credentials(handle, GRPC_CODES.PERMISSION_DENIED, 403,
+      refuse(handle, GRPC_CODES.PERMISSION_DENIED, 403,
                          "the token lacks " .. lacking .. " this endpoint requires",
                          'Bearer error="insufficient_scope"')
       return false
@@ -268,11 +252,11 @@ local function check_credentials(handle)
   end
   if failure ~= nil then
     local message = "invalid token: " .. failure
-    refuse_credentials(handle, GRPC_CODES.UNAUTHENTICATED, 401, message,
+    refuse(handle, GRPC_CODES.UNAUTHENTICATED, 401, message,
                        'Bearer error="invalid_token", error_description="' ..
                        failure:gsub('["\\]', "") .. '"')
   else
-    refuse_credentials(handle, GRPC_CODES.UNAUTHENTICATED, 401, UNAUTHENTICATED, "Bearer")
+    refuse(handle, GRPC_CODES.UNAUTHENTICATED, 401, UNAUTHENTICATED, "Bearer")
   end
   return false
 end

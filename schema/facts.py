@@ -309,6 +309,17 @@ def _add_gateway_facts(facts: Facts, stream: list[dict[str, Any]], spec: dict[st
     return found
 
 
+def _discovered_paths(envoy: dict[str, Any]) -> list[str]:
+    """The files the client listeners' HTTP filters take their config from by discovery."""
+    return [str(source["path"])
+            for listener in tls.ALPN
+            for chain in named(envoy, "listeners", listener).get("filter_chains") or []
+            for network_filter in chain.get("filters") or []
+            for http_filter in (network_filter.get("typed_config") or {}).get("http_filters") or []
+            if (source := (((http_filter.get("config_discovery") or {}).get("config_source") or {})
+                           .get("path_config_source") or {})).get("path")]
+
+
 def _mounted(path: str, mounts: list[str]) -> bool:
     return any(path == m or path.startswith(m.rstrip("/") + "/") for m in mounts)
 
@@ -342,7 +353,12 @@ def _tls_facts(facts: Facts, deployment: dict[str, Any], envoy: dict[str, Any],
                     filename = str((item.get(key) or {}).get("filename") or "")
                     if filename and not _mounted(filename, mounts):
                         missing.append(f"{filename} (secret {name}: no volume mounted there)")
-    facts.put("gatewayTlsFilesUnmounted", missing, f"{source} secrets by SDS, and {where}")
+    for path in _discovered_paths(envoy):
+        if path.startswith(tls.MOUNTED_AT + "/") and path.rsplit("/", 1)[-1] not in files:
+            missing.append(f"{path} (a filter's config by discovery: not a file of the "
+                           "gateway's ConfigMap)")
+    facts.put("gatewayFilesUnmounted", missing,
+              f"{source} secrets and filters by discovery, and {where}")
     listeners = {name: bool(chain.get("transport_socket"))
                  for name in tls.ALPN
                  for chain in named(envoy, "listeners", name).get("filter_chains") or []}
