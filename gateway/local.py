@@ -25,6 +25,8 @@ from gateway.routes import (
     GRPC_LISTENER,
     HTTP_CLUSTER,
     HTTP_LISTENER,
+    discovery_source,
+    http_filters,
     named,
 )
 from local_stack.settings import Settings
@@ -45,28 +47,8 @@ def _socket(address: dict[str, Any]) -> dict[str, Any]:
 
 
 def _lua_filters(config: dict[str, Any]) -> list[dict[str, Any]]:
-    found = []
-    for listener in config["static_resources"]["listeners"]:
-        for chain in listener.get("filter_chains", []):
-            for network_filter in chain.get("filters", []):
-                for http_filter in network_filter.get("typed_config", {}).get("http_filters", []):
-                    if http_filter.get("name") == "envoy.filters.http.lua":
-                        found.append(http_filter["typed_config"]["default_source_code"])
-    return found
-
-
-def _discovered_filters(config: dict[str, Any]) -> list[dict[str, Any]]:
-    """The path_config_source of every HTTP filter whose config comes by discovery."""
-    found = []
-    for listener in config["static_resources"]["listeners"]:
-        for chain in listener.get("filter_chains", []):
-            for network_filter in chain.get("filters", []):
-                for http_filter in network_filter.get("typed_config", {}).get("http_filters", []):
-                    source = ((http_filter.get("config_discovery") or {}).get("config_source")
-                              or {}).get("path_config_source")
-                    if source:
-                        found.append(source)
-    return found
+    return [f["typed_config"]["default_source_code"] for f in http_filters(config)
+            if f.get("name") == "envoy.filters.http.lua"]
 
 
 def with_files_here(config: dict[str, Any], folder: Path = HERE) -> dict[str, Any]:
@@ -74,7 +56,7 @@ def with_files_here(config: dict[str, Any], folder: Path = HERE) -> dict[str, An
     for source in _lua_filters(config):
         if str(source.get("filename", "")).startswith(MOUNTED_AT + "/"):
             source["filename"] = str(HERE / Path(source["filename"]).name)
-    for source in _discovered_filters(config):
+    for source in filter(None, map(discovery_source, http_filters(config))):
         if str(source["path"]).startswith(MOUNTED_AT + "/"):
             source["path"] = str(folder / Path(source["path"]).name)
             source["watched_directory"] = {"path": str(folder)}

@@ -104,6 +104,23 @@ def named(envoy: dict[str, Any], kind: str, name: str) -> dict[str, Any]:
     return found
 
 
+def http_filters(envoy: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every HTTP filter of every listener, in order (a YAML alias's twice)."""
+    return [http_filter
+            for listener in (envoy.get("static_resources") or {}).get("listeners") or []
+            for chain in listener.get("filter_chains") or []
+            for network_filter in chain.get("filters") or []
+            for http_filter in (network_filter.get("typed_config") or {}).get("http_filters")
+            or []]
+
+
+def discovery_source(http_filter: dict[str, Any]) -> dict[str, Any]:
+    """The path_config_source of a filter whose config comes by discovery from a file; {}."""
+    source: dict[str, Any] = ((http_filter.get("config_discovery") or {}).get(
+        "config_source") or {}).get("path_config_source") or {}
+    return source
+
+
 def listener_routes(envoy: dict[str, Any], name: str) -> list[dict[str, Any]]:
     listener = named(envoy, "listeners", name)
     if not listener:

@@ -27,6 +27,8 @@ from gateway.routes import (
     GRPC_LISTENER,
     HTTP_CLUSTER,
     HTTP_LISTENER,
+    discovery_source,
+    http_filters,
     named,
     refusals,
 )
@@ -248,19 +250,14 @@ class _Gateway:
 def _lua_sources(envoy: dict[str, Any], files: dict[str, str]) -> list[str]:
     """The code of every Lua filter: inline, or the ConfigMap's file that `filename` names."""
     sources = []
-    for listener in (envoy.get("static_resources") or {}).get("listeners") or []:
-        for chain in listener.get("filter_chains") or []:
-            for network_filter in chain.get("filters") or []:
-                for http_filter in ((network_filter.get("typed_config") or {})
-                                    .get("http_filters") or []):
-                    if http_filter.get("name") != "envoy.filters.http.lua":
-                        continue
-                    code = ((http_filter.get("typed_config") or {})
-                            .get("default_source_code") or {})
-                    if "inline_string" in code:
-                        sources.append(str(code["inline_string"]))
-                    elif "filename" in code:
-                        sources.append(files.get(str(code["filename"]).rsplit("/", 1)[-1], ""))
+    for http_filter in http_filters(envoy):
+        if http_filter.get("name") != "envoy.filters.http.lua":
+            continue
+        code = (http_filter.get("typed_config") or {}).get("default_source_code") or {}
+        if "inline_string" in code:
+            sources.append(str(code["inline_string"]))
+        elif "filename" in code:
+            sources.append(files.get(str(code["filename"]).rsplit("/", 1)[-1], ""))
     return sources
 
 
@@ -309,17 +306,6 @@ def _add_gateway_facts(facts: Facts, stream: list[dict[str, Any]], spec: dict[st
     return found
 
 
-def _discovered_paths(envoy: dict[str, Any]) -> list[str]:
-    """The files the client listeners' HTTP filters take their config from by discovery."""
-    return [str(source["path"])
-            for listener in tls.ALPN
-            for chain in named(envoy, "listeners", listener).get("filter_chains") or []
-            for network_filter in chain.get("filters") or []
-            for http_filter in (network_filter.get("typed_config") or {}).get("http_filters") or []
-            if (source := (((http_filter.get("config_discovery") or {}).get("config_source") or {})
-                           .get("path_config_source") or {})).get("path")]
-
-
 def _mounted(path: str, mounts: list[str]) -> bool:
     return any(path == m or path.startswith(m.rstrip("/") + "/") for m in mounts)
 
@@ -353,7 +339,7 @@ def _tls_facts(facts: Facts, deployment: dict[str, Any], envoy: dict[str, Any],
                     filename = str((item.get(key) or {}).get("filename") or "")
                     if filename and not _mounted(filename, mounts):
                         missing.append(f"{filename} (secret {name}: no volume mounted there)")
-    for path in _discovered_paths(envoy):
+    for path in (str(discovery_source(f).get("path")) for f in http_filters(envoy)):
         if path.startswith(tls.MOUNTED_AT + "/") and path.rsplit("/", 1)[-1] not in files:
             missing.append(f"{path} (a filter's config by discovery: not a file of the "
                            "gateway's ConfigMap)")
