@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import json
 import os
+import ssl
 import statistics
 import time
 from collections.abc import Awaitable, Callable
@@ -32,7 +33,7 @@ import tritonclient.grpc.aio as tc_aio
 import tritonclient.http as httpclient
 import tritonclient.http.aio as http_aio
 
-from local_stack.harness import RunningStack, running_stack
+from local_stack.harness import TLS_LINE, RunningStack, running_stack
 from local_stack.processes import session_members
 from local_stack.ray_cluster import replicas
 from local_stack.triton_inputs import simple_inputs, tensor
@@ -54,6 +55,8 @@ SERVE_MODES: dict[str, dict[str, str]] = {
 }
 MODES: dict[str, dict[str, str]] = {
     "gateway": {"DATA_PATH": "gateway"},
+    # The gateway with TLS on its client ports (components/tls), against Triton in clear.
+    "gateway-tls": {"DATA_PATH": "gateway", "TLS": "1"},
     **{name: {"DATA_PATH": "serve", **env} for name, env in SERVE_MODES.items()},
 }
 SIZES = {"small": 0, "1MiB": MIB, "16MiB": 16 * MIB}
@@ -192,11 +195,14 @@ async def _timed(call: Callable[[], Awaitable[object]], concurrency: int,
     return len(latencies), latencies, errors
 
 
-async def _measure(url: str, size: str, concurrency: int, seconds: float) -> Measured:
+async def _measure(url: str, size: str, concurrency: int, seconds: float,
+                   ca: Path | None = None) -> Measured:
+    """`ca`: over TLS, trusting that CA."""
     model, make_inputs = _inputs(size)
     options = [("grpc.max_send_message_length", 1 << 30),
                ("grpc.max_receive_message_length", 1 << 30)]
-    client = tc_aio.InferenceServerClient(url, channel_args=options)
+    client = tc_aio.InferenceServerClient(url, channel_args=options, ssl=ca is not None,
+                                          root_certificates=str(ca) if ca else None)
     inputs = make_inputs()
     try:
         return await _timed(lambda: client.infer(model, inputs, client_timeout=30),
@@ -205,11 +211,14 @@ async def _measure(url: str, size: str, concurrency: int, seconds: float) -> Mea
         await client.close()
 
 
-async def _measure_http(url: str, size: str, concurrency: int, seconds: float) -> Measured:
+async def _measure_http(url: str, size: str, concurrency: int, seconds: float,
+                        ca: Path | None = None) -> Measured:
     model, inputs = _http_inputs(size)
     binary = SIZES[size] > 0
     outputs = [httpclient.InferRequestedOutput("OUTPUT", binary_data=True)] if binary else None
-    client = http_aio.InferenceServerClient(url, conn_limit=concurrency)
+    client = http_aio.InferenceServerClient(
+        url, conn_limit=concurrency, ssl=ca is not None,
+        ssl_context=ssl.create_default_context(cafile=str(ca)) if ca else None)
     try:
         return await _timed(lambda: client.infer(model, inputs, outputs=outputs),
                             concurrency, seconds)
@@ -225,6 +234,9 @@ def run_mode(mode: str, protocols: list[str], sizes: list[str], concurrencies: l
     cells: list[Cell] = []
     with running_stack(MODES[mode]) as running:
         stack = running.process
+        # With TLS the clients' endpoint is called as a client of `make local TLS=1` does.
+        ca = (Path(stack.wait_for_line(TLS_LINE, timeout_s=5).group(1))
+              if MODES[mode].get("TLS") == "1" else None)
         # Each process the stack starts leads a session of its own.
         ray_sids = [stack.ray_pid(), *stack.pids(r"pod \d+: Ray node started \(pid (\d+)\)")]
         envoy_sids = stack.pids(r"Envoy started \(pid (\d+)\)")
@@ -244,8 +256,8 @@ def run_mode(mode: str, protocols: list[str], sizes: list[str], concurrencies: l
                     env0, ray0 = _cpu_s(envoy_sids), _cpu_s(ray_sids)
                     tri0, own0, machine0 = _cpu_s([triton_sid]), _own_cpu_s(), _machine_ticks()
                     started = time.monotonic()
-                    count, latencies, errors = asyncio.run(
-                        MEASURE[protocol](url, size, concurrency, seconds))
+                    count, latencies, errors = asyncio.run(MEASURE[protocol](
+                        url, size, concurrency, seconds, ca if path == "through" else None))
                     elapsed = time.monotonic() - started
                     busy = _busy_share(machine0, _machine_ticks())
                     samples[path].append(Sample(

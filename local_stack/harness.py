@@ -33,6 +33,9 @@ REPLICA_PORTS = 16  # per stack and protocol: more than any test's replicas
 MAX_PODS = 4  # Triton port blocks reserved per stack
 # The stack's own `ready` line, anchored: a traceback it prints may name `ProxyActor.ready()`.
 READY_LINE = f"^{re.escape(f'{SAID} {READY}')} "
+# With TLS=1, the line naming the files a client calls with (make local's contract):
+# groups 1-3 the CA, the client's certificate and its key.
+TLS_LINE = rf"^{re.escape(SAID)} tls: ca (\S+) client-cert (\S+) client-key (\S+)$"
 
 
 def stack_ports_env() -> dict[str, str]:

@@ -24,13 +24,11 @@ from cryptography import x509
 from tritonclient.utils import InferenceServerException
 
 from local_stack import certificates
-from local_stack.harness import processes_left_behind, running_stack
+from local_stack.harness import TLS_LINE, processes_left_behind, running_stack
 from local_stack.polling import until
 from local_stack.triton_inputs import tensor
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "triton_examples"
-# The ready line's contract (issue: `[local] tls: ca <path> client-cert <path> client-key <path>`).
-TLS_LINE = r"^\[local\] tls: ca (\S+) client-cert (\S+) client-key (\S+)$"
 # The allow-list the stack runs with: its own client's subject, and a pattern.
 ALLOWED = f"{certificates.CLIENT_SUBJECT};CN=robot-*,O=sonic-ray"
 

@@ -311,16 +311,17 @@ def test_the_tls_variants_speak_only_tls_and_mtls_asks_for_a_certificate() -> No
 def test_a_site_with_token_checks_ships_its_config_and_settings_to_the_gateway() -> None:
     """components/jwt as a site uses it (tests/fixtures/components/jwt-site): the overlay's
     jwt-authn.yaml in the gateway's ConfigMap, its settings in the envoy container's env,
-    admission's kept; without TLS in front the check refuses the build."""
+    admission's kept."""
     from gateway.jwt import ISSUER_ENV, JWT_AUTHN_FILE, PROVIDER
 
     site = ROOT / "tests" / "fixtures" / "components" / "jwt-site"
     built = build(site)
     problems, _ = checked(built)
     assert problems == []
-    (gateway,) = [o for o in built if o["kind"] == "Deployment"]
+    (gateway,) = [o for o in objects(built) if o["kind"] == "Deployment"]
     container = gateway["spec"]["template"]["spec"]["containers"][0]
-    config_maps = {o["metadata"]["name"]: o["data"] for o in built if o["kind"] == "ConfigMap"}
+    config_maps = {o["metadata"]["name"]: o["data"] for o in objects(built)
+                   if o["kind"] == "ConfigMap"}
     sources = [s["configMapRef"]["name"] for s in container["envFrom"]]
     assert [config_maps[s].get(ISSUER_ENV) for s in sources][1] == (
         "https://cms-auth.web.cern.ch/")
