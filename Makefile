@@ -137,7 +137,7 @@ clean:
 # Each data path against Triton directly, same run, same client: a table, JSON and a PNG plot
 # in bench-results/. MODES="gateway serve classic ..." (bench/data_paths.py lists them). Then
 # the overload cell: the gateway at twice its Tritons' capacity (bench/overload.py).
-MODES ?= gateway serve
+MODES ?= gateway gateway-tls serve
 OVERLOAD_SECONDS ?= 60
 bench: venv
 	$(PY) -m bench.data_paths --modes $(MODES)
