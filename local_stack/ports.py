@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 import socket
+from collections.abc import Iterable
 from pathlib import Path
 
 LOW = 20000
@@ -47,6 +48,11 @@ def free_port_range(count: int) -> int:
             _handed_out.update(block)
             return first
     raise RuntimeError(f"no {count} consecutive free ports between {LOW} and {HIGH}")
+
+
+def reserve(ports: Iterable[int]) -> None:
+    """Ports someone else will bind later (a stack's Tritons): never handed out here."""
+    _handed_out.update(ports)
 
 
 def free_ports(count: int) -> list[int]:

@@ -220,6 +220,23 @@ class Settings:
             "PROMETHEUS_PORT": self.prometheus_port,
         }
 
+    def ports_in_use(self, env: Mapping[str, str] = os.environ) -> set[int]:
+        """Every port this stack's servers will bind, some long after it starts (its Tritons
+        after its Ray nodes): its variables, each pod's Triton ports, and the ranges and ports
+        Serve is told in the environment (RAY_SERVE_*_PORT)."""
+        found = set(self.port_variables().values())
+        for i in range(self.tritons):
+            t = self.triton(i)
+            found |= {t.http, t.grpc, t.metrics}
+        for protocol in ("HTTP", "GRPC"):
+            low = env.get(f"RAY_SERVE_DIRECT_INGRESS_MIN_{protocol}_PORT", "")
+            high = env.get(f"RAY_SERVE_DIRECT_INGRESS_MAX_{protocol}_PORT", "")
+            if low.isdigit() and high.isdigit():
+                found |= set(range(int(low), int(high) + 1))
+        found |= {int(v) for k, v in env.items()
+                  if k.startswith("RAY_SERVE_") and k.endswith("_PORT") and v.isdigit()}
+        return found
+
     def check_ports(self) -> None:
         every = self.port_variables()
         used = ["GRPC_PORT", "HTTP_PORT", "RAY_GCS_PORT", "RAY_DASHBOARD_PORT", "ADMISSION_PORT"]

@@ -42,7 +42,7 @@ import yaml
 from gateway import jwt
 from gateway import local as gateway
 from gateway.routes import HTTP_CLUSTER
-from local_stack import certificates, prometheus, ray_cluster, triton
+from local_stack import certificates, ports, prometheus, ray_cluster, triton
 from local_stack.polling import until
 from local_stack.processes import (
     Supervisor,
@@ -242,6 +242,8 @@ class Discovery:
 class LocalStack:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
+        # The Ray nodes' ports are drawn before the Tritons bind theirs: never one of those.
+        ports.reserve(settings.ports_in_use())
         self.workdir = Path(tempfile.mkdtemp(prefix="sonic-ray-"))
         self.dashboard = f"http://127.0.0.1:{settings.dashboard_port}"
         # Opens Triton's restricted RPCs; only Triton, the forwarder and Envoy ever see it.

@@ -3,6 +3,7 @@ connections take ports at random, and never handed out twice."""
 
 from __future__ import annotations
 
+import random
 import re
 import socket
 
@@ -94,3 +95,26 @@ def test_tls_settings_that_cannot_work_are_refused_saying_why(env: dict[str, str
                                                               says: str) -> None:
     with pytest.raises(SystemExit, match=re.escape(says)):
         Settings.from_env(env)
+
+
+def test_ports_the_settings_name_are_never_handed_to_the_stacks_own_processes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stack picks its Ray nodes' ports before its Tritons bind theirs: CI saw a pod's
+    raylet take Triton 1's HTTP port (free until then), and Triton 1 fail to start. The draw
+    is made to hit that port first; it must be skipped."""
+    triton_http = ports.free_port_range(3 * 10 * 2)
+    settings = Settings.from_env({"TRITONS": "2", "TRITON_HTTP_PORT": str(triton_http),
+                                  "TRITON_GRPC_PORT": str(triton_http + 1),
+                                  "TRITON_METRICS_PORT": str(triton_http + 2)})
+    pod_1_http = settings.triton(1).http
+
+    class FirstTheTritonsPort:
+        drawn = 0
+
+        def randrange(self, low: int, high: int) -> int:
+            self.drawn += 1
+            return pod_1_http if self.drawn == 1 else random.randrange(low, high)
+
+    monkeypatch.setattr(ports, "_rng", FirstTheTritonsPort())
+    ports.reserve(settings.ports_in_use())
+    assert ports.free_ports(1) != [pod_1_http]
