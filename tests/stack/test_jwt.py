@@ -118,7 +118,7 @@ def test_a_static_token_still_suffices_beside_jwts(jwt_stack: JwtStack) -> None:
 
 @pytest.mark.parametrize(("case", "says"), [
     ("expired", "expired"),
-    ("not yet valid", "not valid yet"),
+    ("not yet valid", "not yet valid"),
     ("wrong issuer", "issuer"),
     ("wrong audience", "audience"),
     ("bad signature", "verification"),
