@@ -150,7 +150,8 @@ def render_site(folder: Path) -> str:
     except (OSError, ValueError) as error:
         raise SystemExit(f"{folder}: {error}") from None
     return (f"# This site's token checks: written by `make gateway-config` (gateway/jwt.py) from\n"
-            f"# {SITE_FILES[0]} and {SITE_FILES[1]} here; edit those, not this file.\n"
+            f"# {SITE_FILES[0]} and {SITE_FILES[1]} here; edit those, not this file. The keys'\n"
+            "# numbers are long words.\n# yamllint disable rule:line-length\n"
             + yaml.safe_dump(config, sort_keys=False, width=100))
 
 
