@@ -13,9 +13,10 @@ SONIC_RAY_JWT_ISSUER, SONIC_RAY_JWT_AUDIENCES (comma-separated), SONIC_RAY_JWT_S
 the `scope` claim must hold), SONIC_RAY_JWT_GROUP (a group `wlcg.groups` must hold),
 SONIC_RAY_JWT_CLOCK_SKEW_S; the keys are a JWKS document written into the file.
 
-A site turns them on with components/jwt and, in its overlay, jwt.env (the settings) and
-jwks.json (its identity provider's keys): `make gateway-config` writes the overlay's
-jwt-authn.yaml from both (SITE_FILES), which the overlay merges into the gateway's ConfigMap.
+A site turns them on in its overlay with jwt.env (the settings, merged into the `front-door`
+ConfigMap of gateway/front-door.env) and jwks.json (its identity provider's keys): `make
+gateway-config` writes the overlay's jwt-authn.yaml from both (SITE_FILES), which the overlay
+merges into the gateway's ConfigMap.
 
     python -m gateway.jwt [--check]    # gateway/jwt-authn.yaml (off), and every site's
 """

@@ -49,6 +49,10 @@ JWT_VARIABLES = ("JWKS_FILE", "JWT_ISSUER", "JWT_AUDIENCE")
 
 def _jwt_settings(env: Mapping[str, str], data_path: str) -> dict[str, Any]:
     """JWKS_FILE, JWT_ISSUER and JWT_AUDIENCE: all three or none."""
+    for name in (ISSUER_ENV, AUDIENCES_ENV):
+        if env.get(name):
+            raise SystemExit(f"{name}: on this machine JWT_ISSUER and JWT_AUDIENCE say it, "
+                             "with JWKS_FILE")
     given = [name for name in JWT_VARIABLES if env.get(name)]
     if not given:
         return {}
@@ -84,6 +88,8 @@ def env_file(path: Path) -> dict[str, str]:
 
 # Admission's settings, the `admission` ConfigMap's source (gateway and Ray head).
 ADMISSION_ENV_FILE = ROOT / "gateway" / "admission.env"
+# Who may call, the `front-door` ConfigMap's source (the gateway).
+FRONT_DOOR_ENV_FILE = ROOT / "gateway" / "front-door.env"
 
 
 @dataclass(frozen=True)
@@ -200,6 +206,19 @@ class Settings:
         defaults = env_file(ADMISSION_ENV_FILE)
         return {**defaults, **{k: env[k] for k in defaults if k in env},
                 ADMISSION_PORT_ENV: str(self.admission_port)}
+
+    def front_door_env(self, env: Mapping[str, str] = os.environ) -> dict[str, str]:
+        """The `front-door` ConfigMap as this machine's gateway gets it: the shipped defaults,
+        each overridden by the caller's environment, the token checks' issuer, audiences and
+        skew as JWT_ISSUER, JWT_AUDIENCE and JWKS_FILE set them."""
+        defaults = env_file(FRONT_DOOR_ENV_FILE)
+        found = {**defaults, **{k: env[k] for k in defaults if k in env}}
+        found.update({ISSUER_ENV: "", AUDIENCES_ENV: ""})
+        if self.jwt is not None:
+            found.update({ISSUER_ENV: self.jwt.issuer,
+                          AUDIENCES_ENV: ",".join(self.jwt.audiences),
+                          CLOCK_SKEW_ENV: str(self.jwt.clock_skew_s)})
+        return found
 
     def port_variables(self) -> dict[str, int]:
         """Every port variable and its value (Triton's for pod 0): docs/local.md's table is

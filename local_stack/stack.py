@@ -165,11 +165,6 @@ class JwksFollower:
         jwt.write(self.path, s.jwt, text)
         say("gateway: JWKS_FILE changed; the token checks use its keys now")
 
-    def lua_env(self) -> dict[str, str]:
-        """What client-checks.lua reads: the issuer turns the token checks on there."""
-        jwt_settings = self.settings.jwt
-        return {jwt.ISSUER_ENV: jwt_settings.issuer} if jwt_settings is not None else {}
-
 
 class Discovery:
     """Gateway path: which Tritons Envoy may call, rewritten as pods become ready or go.
@@ -351,7 +346,7 @@ class LocalStack:
         self.envoy = Supervisor("gateway: Envoy", gateway.command(config_path),
                                 self.workdir / "envoy.log",
                                 lambda: {**os.environ, **s.admission_env(),
-                                         **jwks.lua_env(),
+                                         **s.front_door_env(),
                                          ADMIN_KEY_ENV: self.admin_key}, say)
         self.envoy.start()
         say(f"gateway: Envoy listens on {s.grpc_port} (gRPC) and {s.http_port} (HTTP)")

@@ -21,6 +21,7 @@ import yaml
 
 from gateway import tls
 from gateway.jwt import ISSUER_ENV as JWT_ISSUER_ENV
+from gateway.jwt import JWT_AUTHN_FILE
 from gateway.routes import (
     CONTROL_PLANE_CLUSTER,
     GRPC_CLUSTER,
@@ -355,6 +356,14 @@ def _tls_facts(facts: Facts, deployment: dict[str, Any], envoy: dict[str, Any],
     credentials = sorted(
         ({"bearer tokens (SONIC_RAY_AUTH_TOKENS_FILE)"} if TOKENS_FILE_ENV in env else set())
         | ({f"JWTs ({JWT_ISSUER_ENV})"} if any(issuers) else set()))
+    jwt_doc = yaml.safe_load(files.get(JWT_AUTHN_FILE, "") or "{}") or {}
+    providers = [p for r in jwt_doc.get("resources") or []
+                 for p in ((r.get("typed_config") or {}).get("providers") or {}).values()]
+    facts.put("jwtIssuers", sorted({str(next((i for i in issuers if i), "none")),
+                                    *(str(p.get("issuer")) for p in providers)} if providers
+                                   else {str(next((i for i in issuers if i), "none")), "none"}),
+              f"{JWT_ISSUER_ENV} of the envoy container's env and the providers of {source} "
+              f"{JWT_AUTHN_FILE}")
     ingress_tls = any(o.get("kind") == "Ingress" and (o.get("spec") or {}).get("tls")
                       for o in stream)
     annotations = (deployment.get("metadata") or {}).get("annotations") or {}

@@ -309,9 +309,8 @@ def test_the_tls_variants_speak_only_tls_and_mtls_asks_for_a_certificate() -> No
 
 
 def test_a_site_with_token_checks_ships_its_config_and_settings_to_the_gateway() -> None:
-    """components/jwt as a site uses it (tests/fixtures/components/jwt-site): the overlay's
-    jwt-authn.yaml in the gateway's ConfigMap, its settings in the envoy container's env,
-    admission's kept."""
+    """Token checks as a site turns them on (tests/fixtures/components/jwt-site): the overlay's
+    jwt-authn.yaml in the gateway's ConfigMap, its settings in the envoy container's env."""
     from gateway.jwt import ISSUER_ENV, JWT_AUTHN_FILE, PROVIDER
 
     site = ROOT / "tests" / "fixtures" / "components" / "jwt-site"
@@ -323,9 +322,7 @@ def test_a_site_with_token_checks_ships_its_config_and_settings_to_the_gateway()
     config_maps = {o["metadata"]["name"]: o["data"] for o in objects(built)
                    if o["kind"] == "ConfigMap"}
     sources = [s["configMapRef"]["name"] for s in container["envFrom"]]
-    assert [config_maps[s].get(ISSUER_ENV) for s in sources][1] == (
-        "https://cms-auth.web.cern.ch/")
-    assert any("SONIC_RAY_GATE_STATUS" in config_maps[s] for s in sources)
+    assert "https://cms-auth.web.cern.ch/" in [config_maps[s].get(ISSUER_ENV) for s in sources]
     (envoy_files,) = [d for d in config_maps.values() if "envoy.yaml" in d]
     discovered = yaml.safe_load(envoy_files[JWT_AUTHN_FILE])
     assert PROVIDER in discovered["resources"][0]["typed_config"]["providers"]
