@@ -233,8 +233,8 @@ local function check_credentials(handle)
       local lacking = claims_lacking(payload)
       if lacking == nil then return true end
       refuse(handle, GRPC_CODES.PERMISSION_DENIED, 403,
-                         "the token lacks " .. lacking .. " this endpoint requires",
-                         'Bearer error="insufficient_scope"')
+             "the token lacks " .. lacking .. " this endpoint requires",
+             'Bearer error="insufficient_scope"')
       return false
     end
     local status = verified["failure"]
@@ -253,8 +253,8 @@ local function check_credentials(handle)
   if failure ~= nil then
     local message = "invalid token: " .. failure
     refuse(handle, GRPC_CODES.UNAUTHENTICATED, 401, message,
-                       'Bearer error="invalid_token", error_description="' ..
-                       failure:gsub('["\\]', "") .. '"')
+           'Bearer error="invalid_token", error_description="' ..
+           failure:gsub('["\\]', "") .. '"')
   else
     refuse(handle, GRPC_CODES.UNAUTHENTICATED, 401, UNAUTHENTICATED, "Bearer")
   end

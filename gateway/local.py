@@ -67,18 +67,10 @@ def with_certificates_at(config: dict[str, Any], folder: Path) -> dict[str, Any]
     """A TLS variant's config with its secrets' discovery documents in `folder`, naming the
     files of local_stack/certificates.py there (server/, client-ca/)."""
     where = {tls.SERVER_CERTIFICATE: folder / "server", tls.CLIENT_CA: folder / "client-ca"}
-    wanted = tls.sds_paths(config)
-    for listener in tls.ALPN:
-        for chain in named(config, "listeners", listener)["filter_chains"]:
-            common = chain["transport_socket"]["typed_config"]["common_tls_context"]
-            for item in [*common["tls_certificate_sds_secret_configs"],
-                         common.get("validation_context_sds_secret_config")]:
-                if item:
-                    item["sds_config"]["path_config_source"]["path"] = str(
-                        folder / tls.sds_file_name(item["name"]))
-    for name in wanted:
-        (folder / tls.sds_file_name(name)).write_text(
-            json.dumps(tls.sds_document(name, str(where[name]))))
+    for item in tls.sds_configs(config):
+        document = folder / tls.sds_file_name(item["name"])
+        item["sds_config"]["path_config_source"]["path"] = str(document)
+        document.write_text(json.dumps(tls.sds_document(item["name"], str(where[item["name"]]))))
     return config
 
 

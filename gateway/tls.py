@@ -77,18 +77,23 @@ def _from_file(name: str, config_dir: str) -> dict[str, Any]:
         "path_config_source": {"path": f"{config_dir}/{sds_file_name(name)}"}}}
 
 
-def sds_paths(config: dict[str, Any]) -> dict[str, str]:
-    """Secret name -> the discovery document's path, as the client listeners name them."""
-    found = {}
+def sds_configs(config: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every secret the client listeners take by SDS: {name, sds_config}, in place."""
+    found = []
     for listener in ALPN:
         for chain in named(config, "listeners", listener).get("filter_chains", []):
             common = ((chain.get("transport_socket") or {}).get("typed_config") or {}).get(
                 "common_tls_context") or {}
-            for item in [*common.get("tls_certificate_sds_secret_configs", []),
-                         common.get("validation_context_sds_secret_config")]:
-                if item:
-                    found[item["name"]] = item["sds_config"]["path_config_source"]["path"]
+            found += [item for item in [*common.get("tls_certificate_sds_secret_configs", []),
+                                        common.get("validation_context_sds_secret_config")]
+                      if item]
     return found
+
+
+def sds_paths(config: dict[str, Any]) -> dict[str, str]:
+    """Secret name -> the discovery document's path, as the client listeners name them."""
+    return {item["name"]: item["sds_config"]["path_config_source"]["path"]
+            for item in sds_configs(config)}
 
 
 def transport_socket(listener: str, client_certificates: bool) -> dict[str, Any]:

@@ -13,16 +13,14 @@ from pathlib import Path
 from typing import Any
 
 import jwt
-import numpy as np
 import pytest
 import tritonclient.grpc as tc
 from cryptography.hazmat.primitives.asymmetric import rsa
 from jwt.algorithms import RSAAlgorithm
-from tritonclient.utils import InferenceServerException
 
 from local_stack.harness import processes_left_behind, running_stack
 from local_stack.polling import until
-from local_stack.triton_inputs import tensor
+from tests.support.echo import echo_inputs, infer_with_token
 from tests.support.raw_http import request
 
 ISSUER = "https://idp.sonic-ray.test"
@@ -85,27 +83,10 @@ def _unsigned(claims: dict[str, Any]) -> str:
     return jwt.encode(claims, None, algorithm="none")  # type: ignore[arg-type]
 
 
-def _outcome(call: Callable[[], object]) -> str:
-    try:
-        call()
-    except InferenceServerException as error:
-        return f"{error.status()}: {error.message()}"
-    return "OK"
-
-
-def _infer(stack: JwtStack, token: str | None) -> str:
-    headers = {"authorization": f"Bearer {token}"} if token is not None else None
-    client = tc.InferenceServerClient(stack.url)
-    inputs = [tensor("INPUT", np.array([1], np.int32), "INT32")]
-    return _outcome(lambda: client.infer("echo_headers", inputs, headers=headers,
-                                         client_timeout=30))
-
-
 def test_a_valid_token_passes_and_never_reaches_triton(jwt_stack: JwtStack) -> None:
     token = _token(jwt_stack)
     client = tc.InferenceServerClient(jwt_stack.url)
-    inputs = [tensor("INPUT", np.array([1], np.int32), "INT32")]
-    result = client.infer("echo_headers", inputs, client_timeout=30,
+    result = client.infer("echo_headers", echo_inputs(), client_timeout=30,
                           headers={"authorization": f"Bearer {token}", "x-sonic-job": "jwt"})
     seen_by_triton = result.as_numpy("PARAMETERS")[0].decode()
     assert '"x-sonic-job":"jwt"' in seen_by_triton
@@ -113,7 +94,7 @@ def test_a_valid_token_passes_and_never_reaches_triton(jwt_stack: JwtStack) -> N
 
 
 def test_a_static_token_still_suffices_beside_jwts(jwt_stack: JwtStack) -> None:
-    assert _infer(jwt_stack, STATIC) == "OK"
+    assert infer_with_token(jwt_stack.url, STATIC) == "OK"
 
 
 @pytest.mark.parametrize(("case", "says"), [
@@ -139,18 +120,18 @@ def test_a_token_that_fails_a_check_is_unauthenticated_saying_why(
         "not a JWT": lambda: "tok-not-known",
     }
     token = makers[case]()
-    outcome = _infer(jwt_stack, token)
+    outcome = infer_with_token(jwt_stack.url, token)
     assert outcome.startswith("StatusCode.UNAUTHENTICATED"), (case, outcome)
     assert says.lower() in outcome.lower(), (case, outcome)
 
 
 def test_no_token_is_unauthenticated(jwt_stack: JwtStack) -> None:
-    outcome = _infer(jwt_stack, None)
+    outcome = infer_with_token(jwt_stack.url, None)
     assert outcome.startswith("StatusCode.UNAUTHENTICATED") and "Bearer" in outcome, outcome
 
 
 def test_a_token_without_the_required_scope_is_refused_naming_it(jwt_stack: JwtStack) -> None:
-    outcome = _infer(jwt_stack, _token(jwt_stack, scope="openid storage.read"))
+    outcome = infer_with_token(jwt_stack.url, _token(jwt_stack, scope="openid storage.read"))
     assert outcome.startswith("StatusCode.PERMISSION_DENIED") and SCOPE in outcome, outcome
 
 
@@ -176,7 +157,7 @@ def test_http_refusals_carry_rfc_6750_challenges(jwt_stack: JwtStack) -> None:
 def test_no_token_is_in_any_log(jwt_stack: JwtStack) -> None:
     tokens = [_token(jwt_stack), STATIC]
     for token in tokens:
-        assert _infer(jwt_stack, token) == "OK"
+        assert infer_with_token(jwt_stack.url, token) == "OK"
     for log in jwt_stack.workdir.glob("*.log"):
         text = log.read_text(errors="replace")
         leaked = [t[:12] for t in tokens if t in text]
@@ -186,12 +167,12 @@ def test_no_token_is_in_any_log(jwt_stack: JwtStack) -> None:
 def test_a_rotated_key_set_takes_effect_without_a_restart(jwt_stack: JwtStack) -> None:
     """The identity provider drops k1 and signs with k2: the JWKS file rewritten, as the
     provider publishes it; tokens of k2 pass, tokens of k1 stop passing."""
-    assert _infer(jwt_stack, _token(jwt_stack, kid="k2")).startswith(
+    assert infer_with_token(jwt_stack.url, _token(jwt_stack, kid="k2")).startswith(
         "StatusCode.UNAUTHENTICATED")
     staged = jwt_stack.jwks_file.with_name("jwks.new")
     staged.write_text(_jwks(("k2", jwt_stack.keys["k2"])))
     staged.replace(jwt_stack.jwks_file)
     until("tokens of the new key to pass",
-          lambda: _infer(jwt_stack, _token(jwt_stack, kid="k2")) == "OK" or "refused", 30)
-    old = _infer(jwt_stack, _token(jwt_stack, kid="k1"))
+          lambda: infer_with_token(jwt_stack.url, _token(jwt_stack, kid="k2")) == "OK" or "refused", 30)
+    old = infer_with_token(jwt_stack.url, _token(jwt_stack, kid="k1"))
     assert old.startswith("StatusCode.UNAUTHENTICATED"), old

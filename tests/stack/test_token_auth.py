@@ -9,7 +9,7 @@ import contextlib
 import json
 import queue
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,8 +20,8 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from local_stack.harness import processes_left_behind, running_stack
-from local_stack.triton_inputs import tensor
 from tests.stack.conftest import DATA_PATHS
+from tests.support.echo import echo_inputs, infer_with_token, outcome
 from tests.support.raw_http import request
 
 FIRST = "tok-first-5f1c0a"
@@ -52,39 +52,20 @@ def auth_stack(request: pytest.FixtureRequest,
     assert not processes_left_behind(running.process)
 
 
-def _echo_inputs() -> list[tc.InferInput]:
-    return [tensor("INPUT", np.array([1], np.int32), "INT32")]
-
-
-def _status(call: Callable[[], object]) -> str:
-    try:
-        call()
-    except InferenceServerException as error:
-        return f"{error.status()}: {error.message()}"
-    return "OK"
-
-
-def _infer(url: str, token: str | None) -> str:
-    headers = {"authorization": f"Bearer {token}"} if token is not None else None
-    client = tc.InferenceServerClient(url)
-    return _status(lambda: client.infer("echo_headers", _echo_inputs(), headers=headers,
-                                        client_timeout=30))
-
-
 def test_calls_without_a_known_token_are_unauthenticated(auth_stack: AuthStack) -> None:
     for token in (None, "not-a-token", FIRST + "x", ""):
-        outcome = _infer(auth_stack.url, token)
-        assert outcome.startswith("StatusCode.UNAUTHENTICATED"), (token, outcome)
-        assert "Bearer" in outcome  # says what to send
+        answer = infer_with_token(auth_stack.url, token)
+        assert answer.startswith("StatusCode.UNAUTHENTICATED"), (token, answer)
+        assert "Bearer" in answer  # says what to send
     client = tc.InferenceServerClient(auth_stack.url)
-    metadata_call = _status(lambda: client.get_model_metadata("echo_headers"))
+    metadata_call = outcome(lambda: client.get_model_metadata("echo_headers"))
     assert metadata_call.startswith("StatusCode.UNAUTHENTICATED"), metadata_call
 
 
 def test_known_tokens_pass_and_are_not_passed_on_to_triton(auth_stack: AuthStack) -> None:
     for token in (FIRST, SECOND):
         client = tc.InferenceServerClient(auth_stack.url)
-        result = client.infer("echo_headers", _echo_inputs(),
+        result = client.infer("echo_headers", echo_inputs(),
                               headers={"authorization": f"Bearer {token}", "x-sonic-job": "auth"},
                               client_timeout=30)
         seen_by_triton = result.as_numpy("PARAMETERS")[0].decode()
@@ -126,7 +107,7 @@ def test_streams_are_checked_too(auth_stack: AuthStack) -> None:
         try:
             # The gateway may refuse the stream before the request is sent.
             with contextlib.suppress(InferenceServerException):
-                client.async_stream_infer("echo_headers", _echo_inputs())
+                client.async_stream_infer("echo_headers", echo_inputs())
             return results.get(timeout=30)  # the refusal comes through the callback either way
         finally:
             client.stop_stream()
@@ -143,15 +124,15 @@ def test_a_rotated_secret_takes_effect_without_a_restart(auth_stack: AuthStack) 
     staged.write_text(f"{ROTATED}\n")
     staged.replace(auth_stack.tokens_file)
     deadline = time.monotonic() + 30
-    while (outcome := _infer(auth_stack.url, ROTATED)) != "OK":
+    while (outcome := infer_with_token(auth_stack.url, ROTATED)) != "OK":
         assert time.monotonic() < deadline, f"the new token was never accepted: {outcome}"
         time.sleep(0.5)
-    assert _infer(auth_stack.url, FIRST).startswith("StatusCode.UNAUTHENTICATED")
+    assert infer_with_token(auth_stack.url, FIRST).startswith("StatusCode.UNAUTHENTICATED")
 
 
 def test_tokens_appear_in_no_log(auth_stack: AuthStack) -> None:
-    _infer(auth_stack.url, "leaked-if-logged-0d9a")  # a refused one, the likeliest to be logged
-    _infer(auth_stack.url, ROTATED)
+    infer_with_token(auth_stack.url, "leaked-if-logged-0d9a")  # a refused one, the likeliest to be logged
+    infer_with_token(auth_stack.url, ROTATED)
     files = [p for p in auth_stack.workdir.rglob("*") if p.is_file()]
     assert len(files) > 10, "no logs found: the check would be empty"
     for path in files:
