@@ -40,13 +40,27 @@ def _bindable(port: int) -> bool:
 
 
 def free_port_range(count: int) -> int:
-    """The first of `count` consecutive free ports, none handed out before."""
-    for _ in range(500):
-        first = _rng.randrange(LOW, HIGH - count)
+    """The first of `count` consecutive free ports, none handed out before.
+
+    Starts at a random port, so that two processes rarely collide, and walks up (wrapping once),
+    so that a long test session, whose handed-out ports are scattered, finds a gap while one
+    exists (CI saw 500 random draws of a 60-port block miss every gap)."""
+    end = HIGH - count  # the last block starts before this
+    span = end - LOW
+    if span <= 0:
+        raise RuntimeError(f"no {count} consecutive ports fit between {LOW} and {HIGH}")
+    first = _rng.randrange(LOW, end)
+    walked = 0
+    while walked < span:
         block = range(first, first + count)
-        if _handed_out.isdisjoint(block) and all(_bindable(port) for port in block):
+        taken = next((port for port in block if port in _handed_out or not _bindable(port)), None)
+        if taken is None:
             _handed_out.update(block)
             return first
+        # No block holding `taken` fits: go on just past it.
+        after = taken + 1 if taken + 1 < end else LOW
+        walked += max(1, (after - first) % span)
+        first = after
     raise RuntimeError(f"no {count} consecutive free ports between {LOW} and {HIGH}")
 
 
