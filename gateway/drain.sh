@@ -5,19 +5,11 @@
 # its next calls elsewhere, HTTP/1.1 answers carry `connection: close`) while the listeners stay
 # open for --drain-time-s. Then it waits DRAIN_MIN_S for the clients' Service to drop this pod,
 # and until no call is in flight on the client listeners, DRAIN_MAX_S at most; the kubelet
-# sends SIGTERM when this script ends. The official image has bash but no curl: /dev/tcp.
+# sends SIGTERM when this script ends.
 set -u
-ADMIN_PORT=${ADMIN_PORT:-9901}
+. "$(dirname "$0")/envoy-admin.sh"
 DRAIN_MIN_S=${DRAIN_MIN_S:-5}
 DRAIN_MAX_S=${DRAIN_MAX_S:-45}
-
-admin() {  # method path: the body of Envoy's answer
-  exec 3<>"/dev/tcp/127.0.0.1/${ADMIN_PORT}" || return 1
-  printf '%s %s HTTP/1.1\r\nHost: envoy\r\nContent-Length: 0\r\nConnection: close\r\n\r\n' \
-    "$1" "$2" >&3
-  sed '1,/^\r$/d' <&3
-  exec 3<&-
-}
 
 in_flight() {  # calls open on the gRPC and HTTP listeners
   # ^http\.triton_(grpc|http)\.downstream_rq_active$, percent-encoded

@@ -221,19 +221,21 @@ class ClusterStack:
         return env
 
     def _ray_start(self, params: dict[str, str], ip: str, cluster: RayCluster | None,
-                   temp_dir: Path | None = None) -> list[str]:
+                   temp_dir: Path) -> list[str]:
         """`ray start` as KubeRay builds it from rayStartParams: a head (no cluster yet), or
-        a worker of `cluster`."""
+        a worker of `cluster`. Every pod has a /tmp/ray of its own (`temp_dir`): nodes
+        sharing one pick the same socket and log names when they start together, and the
+        raylets that lose bind() abort (a crash no cluster has)."""
         ray = Path(sys.executable).with_name("ray")
         cmd = [str(ray), "start", "--block", "--disable-usage-stats", f"--node-ip-address={ip}",
                # A small object store: every node of this machine shares its memory.
                "--object-store-memory=300000000"]
         if cluster is None:
-            cmd += ["--head", f"--port={GCS_PORT}", f"--temp-dir={temp_dir}"]
+            cmd += ["--head", f"--port={GCS_PORT}"]
         else:
             cmd += [f"--address={cluster.head.ip}:{GCS_PORT}", "--num-cpus=1",
                     f"--resources={json.dumps({'triton': 1})}"]
-        cmd += [f"--{key}={value}" for key, value in params.items()]
+        cmd += [f"--temp-dir={temp_dir}", *(f"--{key}={value}" for key, value in params.items())]
         return cmd
 
     def _new_pod(self, kind: str, cluster: RayCluster | None = None) -> Pod:
@@ -247,7 +249,7 @@ class ClusterStack:
             containers = self._gateway_containers()
             labels = dict(self.built.labels["gateway"])
         else:
-            containers = self._triton_containers(net.ip, cluster)
+            containers = self._triton_containers(name, net.ip, cluster)
             # What KubeRay v1.7.0 adds to a RayService's worker pods (BuildPod, pod.go):
             # the cluster's name, and ray.io/serve "true" (a worker's readiness decides).
             labels = {**self.built.labels["worker"], "ray.io/cluster": cluster.name,
@@ -263,7 +265,7 @@ class ClusterStack:
         say(f"{name}: created at {net.ip} (namespace {net.namespace})")
         return pod
 
-    def _triton_containers(self, ip: str, cluster: RayCluster) -> list[ContainerSpec]:
+    def _triton_containers(self, name: str, ip: str, cluster: RayCluster) -> list[ContainerSpec]:
         worker = self.built.worker
         ray = worker.containers["ray-worker"]
         tri = worker.containers["triton"]
@@ -282,9 +284,11 @@ class ClusterStack:
             keep.append(arg)
         argv = [*keep, f"--backend-directory={self._backends}", *self.settings.triton_args]
         return [
-            ContainerSpec("ray-worker", self._ray_start(worker.ray_start_params, ip, cluster),
-                          self._ray_env(ray, cluster.token), manifests.WORKER_READINESS, None,
-                          None),
+            # Short (ray-w<n>): a Unix socket's path in it holds at most 107 bytes.
+            ContainerSpec("ray-worker", self._ray_start(
+                worker.ray_start_params, ip, cluster,
+                self.workdir / f"ray-w{name.rsplit('-', 1)[-1]}"),
+                self._ray_env(ray, cluster.token), manifests.WORKER_READINESS, None, None),
             ContainerSpec("triton", argv, triton_env, tri.readiness, tri.startup, tri.prestop),
         ]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -15,6 +16,7 @@ import numpy as np
 import tritonclient.grpc as tc
 from tritonclient.utils import InferenceServerException
 
+from local_stack.cluster import manifests
 from local_stack.triton_inputs import simple_inputs
 from tests.support.cluster import OWN_CONNECTION, Cluster, under_load, until
 
@@ -100,6 +102,46 @@ def _timed(call: Callable[[], object]) -> tuple[float, str]:
     except urllib.error.HTTPError as error:
         outcome = f"HTTP {error.code}: {error.read().decode(errors='replace')}"
     return time.monotonic() - started, outcome
+
+
+def test_a_gateway_pod_starting_while_no_triton_passes_its_checks_is_not_ready(
+        cluster: Cluster) -> None:
+    """A new gateway pod (a rollout, a node drain) whose Envoy's first checks of the listed
+    Tritons all fail (here frozen; on a busy node a first check can time out) stays out of the
+    clients' Service until one passes (its startupProbe, gateway/started.sh): Ready at once, as
+    its readiness probe alone would have it, it answers "no Triton is ready" to the calls it
+    gets while the other gateway pod serves them."""
+    pods = _tritons(cluster)
+    ips = {cluster.pod_ip(p) for p in pods}
+    readiness = manifests.read(manifests.build()).gateway.containers["envoy"].readiness
+    assert readiness is not None
+    old = cluster.ready_pods("gateway")[0]
+    mark = cluster.line_index()
+    with _stopped(cluster, pods):
+        cluster.delete(old)
+        new = cluster.wait_for(r"\[cluster\] (gateway-\d+): created at ", 60, after=mark).group(1)
+
+        def listed_none_healthy() -> object:
+            try:
+                hosts = cluster.envoy_hosts(new)
+            except subprocess.SubprocessError as error:
+                return f"no answer from its admin interface: {error}"
+            return (set(hosts) == ips and all(hosts.values())) or hosts
+
+        until(f"{new}'s Envoy to list every Triton, none healthy", listed_none_healthy, 60,
+              every_s=0.3)
+        # Two readiness periods: the readiness probe alone passes within one.
+        try:
+            until(f"{new} to be ready", lambda: new in cluster.ready_pods("gateway"),
+                  2 * readiness.period_s + 1, every_s=0.2)
+            ready_with = cluster.envoy_hosts(new)
+        except TimeoutError:
+            ready_with = None
+    assert ready_with is None, f"{new} became ready while its Envoy had {ready_with}"
+    until(f"{new} to be ready", lambda: new in cluster.ready_pods("gateway"), 60, every_s=0.2)
+    hosts = cluster.envoy_hosts(new)
+    assert {ip for ip, flags in hosts.items() if not flags}, hosts
+    cluster.wait_gone(old)
 
 
 def test_two_of_three_unhealthy_get_no_call(cluster: Cluster) -> None:

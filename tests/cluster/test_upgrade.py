@@ -36,6 +36,11 @@ DONE = r"\[cluster\] upgrade: done; cluster (\S+) deleted$"
 # The gateway's answer when no Triton is healthy (gateway/envoy.yaml, local_reply_config).
 NO_TRITON = "no Triton is ready behind this endpoint"
 AIO_STREAM_END = "INTERNAL: Internal error from Core"
+# Each caller's pause after a unary call. Both clusters' pods share this machine's 2 cores,
+# where on a cluster every pod has CPU of its own: callers back to back starve the new pods'
+# Ray dashboard agents, which their raylets give a fixed 15 s to start before aborting (Ray
+# issue 65983), so the new cluster would never join. Paced, the load still spans every phase.
+PAUSE_S = 0.1
 
 
 def _new_model_set() -> Path:
@@ -64,6 +69,7 @@ async def _caller(cluster: Cluster, model: str, stop: threading.Event, calls: Ca
             except InferenceServerException as error:
                 calls.add(model, started, f"{error.status()}: {error.message()}")
                 await asyncio.sleep(0.05)
+            await asyncio.sleep(PAUSE_S)
     finally:
         await client.close()
 
@@ -120,7 +126,8 @@ def test_an_upgrade_changing_the_model_set_sends_no_call_to_a_triton_without_the
     async def main() -> list[str]:
         stop = asyncio.Event()
         load = asyncio.ensure_future(mixed_load(cluster, stop, common, grpc_clients=2,
-                                                 http_clients=1, stream_clients=1))
+                                                 http_clients=1, stream_clients=1,
+                                                 pause_s=PAUSE_S))
         old = [asyncio.ensure_future(_caller(cluster, OLD_ONLY, stop_old, old_only))
                for _ in range(2)]
         await asyncio.sleep(2)

@@ -182,9 +182,11 @@ def _simple() -> list[object]:
 
 async def mixed_load(cluster: Cluster, stop: asyncio.Event, calls: Calls, grpc_clients: int = 4,
                      http_clients: int = 2, stream_clients: int = 2, model: str = "simple",
-                     slow_s: float = 0.0, deadline_s: float = DEADLINE_S) -> None:
+                     slow_s: float = 0.0, deadline_s: float = DEADLINE_S,
+                     pause_s: float = 0.0) -> None:
     """Callers in a loop until `stop`: gRPC unary, HTTP (JSON), ModelStreamInfer streams of a
-    few responses; each client on a connection of its own through the Service IP."""
+    few responses; each client on a connection of its own through the Service IP, pausing
+    `pause_s` after each unary call (0: back to back, as much as 2 cores carry)."""
 
     async def grpc_caller() -> None:
         client = tc_aio.InferenceServerClient(cluster.grpc_url, channel_args=OWN_CONNECTION)
@@ -199,6 +201,8 @@ async def mixed_load(cluster: Cluster, stop: asyncio.Event, calls: Calls, grpc_c
                 except InferenceServerException as error:
                     calls.add("grpc", started, f"{error.status()}: {error.message()}")
                     await asyncio.sleep(0.05)
+                if pause_s:
+                    await asyncio.sleep(pause_s)
         finally:
             await client.close()
 
@@ -218,6 +222,8 @@ async def mixed_load(cluster: Cluster, stop: asyncio.Event, calls: Calls, grpc_c
                 except (InferenceServerException, aiohttp.ClientError, OSError) as error:
                     calls.add("http", started, f"{type(error).__name__}: {error}")
                     await asyncio.sleep(0.05)
+                if pause_s:
+                    await asyncio.sleep(pause_s)
         finally:
             await client.close()
 
