@@ -1,10 +1,11 @@
 -- Bearer tokens for the gateway, as the forwarder checks them (serve/triton_pod/access.py):
 -- when SONIC_RAY_AUTH_TOKENS_FILE names a file (components/token-auth mounts the Secret there),
--- every call must carry `authorization: Bearer <token>` with one of its tokens (one a line, #
--- comments). The file is re-read when it changes, so a rotated Secret takes effect without a
--- restart; an unreadable or emptied file keeps the last good tokens. The header is removed
--- before the call goes on, so Triton never sees it; nothing here logs a token. A gRPC call is
--- refused as gRPC refuses (UNAUTHENTICATED), an HTTP request with 401 and Triton's error shape.
+-- every call must carry `authorization: Bearer <token>` with one of its tokens (one a line,
+-- `<token>` or `<name> <token>`, # comments). The file is re-read when it changes, so a
+-- rotated Secret takes effect without a restart; an unreadable or emptied file keeps the last
+-- good tokens. The header is removed before the call goes on, so Triton never sees it; nothing
+-- here logs a token. A gRPC call is refused as gRPC refuses (UNAUTHENTICATED), an HTTP request
+-- with 401 and Triton's error shape.
 --
 -- Admission (docs/admission.md), with the settings of the `admission` ConfigMap
 -- (gateway/admission.env):
@@ -22,6 +23,14 @@
 -- certificate; when SONIC_RAY_CLIENT_SUBJECTS lists patterns (";"-separated, "*" any run of
 -- characters), the certificate's subject must match one, or the call is refused
 -- (PERMISSION_DENIED, 403) naming the subject.
+--
+-- Who called (docs/front-door.md): each call's identity (`token:<name>`, `jwt:<sub>`,
+-- `cert:<subject>` or `anonymous`) and tenant go into its metadata (`sonic-ray`: identity,
+-- tenant, protocol, model), which the access log and the per-tenant counters of envoy.yaml
+-- read; nothing of it is passed to Triton. The tenant: the JWT claim SONIC_RAY_TENANT_CLAIM names, else the
+-- first SONIC_RAY_TENANTS entry (";"-separated `tenant=pattern`, "*" any run of characters)
+-- whose pattern matches the identity, else a static token's name, else "other" ("anonymous"
+-- without a credential).
 local GRPC_CODES = {CANCELLED = 1, UNKNOWN = 2, INVALID_ARGUMENT = 3, DEADLINE_EXCEEDED = 4,
                     NOT_FOUND = 5, ALREADY_EXISTS = 6, PERMISSION_DENIED = 7,
                     RESOURCE_EXHAUSTED = 8, FAILED_PRECONDITION = 9, ABORTED = 10,
@@ -114,21 +123,82 @@ local function refuse_job_start(handle, grpc, reason)
   end
 end
 
+-- A site's glob ("*" any run of characters) as an anchored Lua pattern.
+local function glob_pattern(glob)
+  local escaped = glob:gsub("[%^%$%(%)%%%.%[%]%+%-%?]", "%%%0"):gsub("%*", ".*")
+  return "^" .. escaped .. "$"
+end
+
 -- The allowed subjects as anchored Lua patterns; nil: any certificate the CA signed.
 local function subject_patterns(text)
   if text == nil or text:match("^%s*$") then return nil end
   local found = {}
   for glob in text:gmatch("[^;]+") do
     glob = glob:match("^%s*(.-)%s*$")
-    if glob ~= "" then
-      local escaped = glob:gsub("[%^%$%(%)%%%.%[%]%+%-%?]", "%%%0"):gsub("%*", ".*")
-      found[#found + 1] = "^" .. escaped .. "$"
-    end
+    if glob ~= "" then found[#found + 1] = glob_pattern(glob) end
   end
   return found
 end
 
 local SUBJECTS = subject_patterns(os.getenv("SONIC_RAY_CLIENT_SUBJECTS"))
+
+-- SONIC_RAY_TENANTS as {tenant, pattern} pairs, in order.
+local function tenant_patterns(text)
+  local found = {}
+  for entry in (text or ""):gmatch("[^;]+") do
+    entry = entry:match("^%s*(.-)%s*$")
+    if entry ~= "" then
+      local tenant, glob = entry:match("^([%w%-%._]+)%s*=%s*(.+)$")
+      if tenant == nil then
+        error("SONIC_RAY_TENANTS: \"" .. entry .. "\" is not tenant=pattern (a tenant is " ..
+              "letters, digits, - . _)")
+      end
+      found[#found + 1] = {tenant, glob_pattern(glob)}
+    end
+  end
+  return found
+end
+
+local TENANTS = tenant_patterns(os.getenv("SONIC_RAY_TENANTS"))
+local TENANT_CLAIM = setting("SONIC_RAY_TENANT_CLAIM", nil)
+
+-- A claim's value as a tenant: a string, or a list's first string ("wlcg.groups": ["/cms"]);
+-- characters a metric label or log reader would trip on become "_".
+local function claimed_tenant(payload)
+  if TENANT_CLAIM == nil or payload == nil then return nil end
+  local value = payload[TENANT_CLAIM]
+  if type(value) == "table" then value = value[1] end
+  if type(value) ~= "string" or value == "" then return nil end
+  return (value:gsub("[^%w%-%._/]", "_"):sub(1, 64))
+end
+
+-- The call's tenant, from its identity (and verified JWT claims, a static token's name).
+local function tenant_of(identity, payload, token_name)
+  local claimed = claimed_tenant(payload)
+  if claimed ~= nil then return claimed end
+  for _, entry in ipairs(TENANTS) do
+    if identity:match(entry[2]) then return entry[1] end
+  end
+  if token_name ~= nil then return token_name end
+  if identity == "anonymous" then return "anonymous" end
+  return "other"
+end
+
+-- Triton's HTTP paths that name a model (/v2/models/<name>[/versions/<v>]/...); gRPC carries
+-- the model in the message body, which the gateway does not read.
+local function model_of(request_path)
+  return request_path and request_path:match("^/v2/models/([^/?]+)") or nil
+end
+
+-- Records who called, for the access log and the per-tenant counters (envoy.yaml).
+local function record(handle, identity, payload, token_name)
+  local meta = handle:streamInfo():dynamicMetadata()
+  local content_type = handle:headers():get("content-type") or ""
+  meta:set("sonic-ray", "protocol",
+           content_type:sub(1, 16) == "application/grpc" and "grpc" or "http")
+  meta:set("sonic-ray", "identity", identity)
+  meta:set("sonic-ray", "tenant", tenant_of(identity, payload, token_name))
+end
 
 -- A refusal as a Triton client reads it: a gRPC trailers-only answer with the status, or the
 -- HTTP status with the message in Triton's error shape (the listener's local_reply_config);
@@ -145,20 +215,30 @@ local function refuse(handle, grpc_code, http_status, message, challenge)
   end
 end
 
--- True when the caller's certificate subject is allowed (or no list is set).
-local function check_subject(handle)
-  if SUBJECTS == nil then return true end
+-- A refusal, to be answered once the call's caller is recorded.
+local function refusal(grpc_code, http_status, message, challenge)
+  return {grpc_code = grpc_code, http_status = http_status, message = message,
+          challenge = challenge}
+end
+
+-- The subject of the client certificate the handshake verified, or nil.
+local function peer_subject(handle)
   local ssl = handle:streamInfo():downstreamSslConnection()
-  local subject = ssl and ssl:peerCertificatePresented() and ssl:subjectPeerCertificate()
+  if ssl and ssl:peerCertificatePresented() then return ssl:subjectPeerCertificate() end
+  return nil
+end
+
+-- Why the certificate's subject may not call (a list is set and none matches), or nil.
+local function subject_refusal(subject)
+  if SUBJECTS == nil then return nil end
   if subject then
     for _, pattern in ipairs(SUBJECTS) do
-      if subject:match(pattern) then return true end
+      if subject:match(pattern) then return nil end
     end
   end
-  refuse(handle, GRPC_CODES.PERMISSION_DENIED, 403, "the client certificate's subject " ..
-         (subject and ("\"" .. subject .. "\"") or "(none presented)") ..
-         " is not allowed at this endpoint (SONIC_RAY_CLIENT_SUBJECTS)")
-  return false
+  return refusal(GRPC_CODES.PERMISSION_DENIED, 403, "the client certificate's subject " ..
+                 (subject and ("\"" .. subject .. "\"") or "(none presented)") ..
+                 " is not allowed at this endpoint (SONIC_RAY_CLIENT_SUBJECTS)")
 end
 
 local path = os.getenv("SONIC_RAY_AUTH_TOKENS_FILE")
@@ -177,10 +257,15 @@ local function load()
   if text == nil or text == loaded_text then return end
   local found, count = {}, 0
   for line in text:gmatch("[^\r\n]+") do
-    local token = line:match("^%s*(.-)%s*$")
-    if token ~= "" and token:sub(1, 1) ~= "#" then
-      found[token] = true
-      count = count + 1
+    local trimmed = line:match("^%s*(.-)%s*$")
+    if trimmed ~= "" and trimmed:sub(1, 1) ~= "#" then
+      local name, token = trimmed:match("^(%S+)%s+(%S+)$")
+      if name == nil and trimmed:match("^%S+$") then name, token = "unnamed", trimmed end
+      -- A line of more fields is no token (serve/triton_pod/access.py refuses the file).
+      if token ~= nil then
+        found[token] = name
+        count = count + 1
+      end
     end
   end
   if count > 0 then
@@ -220,6 +305,8 @@ local function claims_lacking(payload)
   return nil
 end
 
+-- The bearer credential's caller ({identity, payload, token_name}) as far as it is known, and
+-- the refusal when it does not pass.
 local function check_credentials(handle)
   local headers = handle:headers()
   local presented = headers:get("authorization")
@@ -230,12 +317,13 @@ local function check_credentials(handle)
     local verified = handle:streamInfo():dynamicMetadata():get(JWT_METADATA) or {}
     local payload = verified["payload"]
     if payload ~= nil then
+      local subject = payload["sub"] or payload["client_id"] or payload["azp"] or "unknown"
+      local caller = {identity = "jwt:" .. tostring(subject), payload = payload}
       local lacking = claims_lacking(payload)
-      if lacking == nil then return true end
-      refuse(handle, GRPC_CODES.PERMISSION_DENIED, 403,
-             "the token lacks " .. lacking .. " this endpoint requires",
-             'Bearer error="insufficient_scope"')
-      return false
+      if lacking == nil then return caller, nil end
+      return caller, refusal(GRPC_CODES.PERMISSION_DENIED, 403,
+                             "the token lacks " .. lacking .. " this endpoint requires",
+                             'Bearer error="insufficient_scope"')
     end
     local status = verified["failure"]
     if token ~= nil and token ~= "" and type(status) == "table" then
@@ -248,17 +336,15 @@ local function check_credentials(handle)
       checked_at = now
       load()
     end
-    if tokens ~= nil and token ~= nil and token ~= "" and tokens[token] then return true end
+    local name = tokens ~= nil and token ~= nil and token ~= "" and tokens[token]
+    if name then return {identity = "token:" .. name, token_name = name}, nil end
   end
   if failure ~= nil then
-    local message = "invalid token: " .. failure
-    refuse(handle, GRPC_CODES.UNAUTHENTICATED, 401, message,
-           'Bearer error="invalid_token", error_description="' ..
-           failure:gsub('["\\]', "") .. '"')
-  else
-    refuse(handle, GRPC_CODES.UNAUTHENTICATED, 401, UNAUTHENTICATED, "Bearer")
+    return nil, refusal(GRPC_CODES.UNAUTHENTICATED, 401, "invalid token: " .. failure,
+                        'Bearer error="invalid_token", error_description="' ..
+                        failure:gsub('["\\]', "") .. '"')
   end
-  return false
+  return nil, refusal(GRPC_CODES.UNAUTHENTICATED, 401, UNAUTHENTICATED, "Bearer")
 end
 
 function envoy_on_request(handle)
@@ -266,9 +352,23 @@ function envoy_on_request(handle)
   -- Only the gateway's own routes may send Triton's admin key.
   headers:remove("triton-grpc-protocol-sonic-ray-admin")
   headers:remove("sonic-ray-admin")
-  if not check_subject(handle) then return end
-  if (path ~= nil or JWT_ISSUER ~= nil) and not check_credentials(handle) then return end
   local request_path = headers:get(":path")
+  local model = model_of(request_path)
+  if model ~= nil then handle:streamInfo():dynamicMetadata():set("sonic-ray", "model", model) end
+  -- Who calls: the certificate's subject, unless a bearer credential names someone.
+  local subject = peer_subject(handle)
+  local caller = {identity = subject and ("cert:" .. subject) or "anonymous"}
+  local refused = subject_refusal(subject)
+  if refused == nil and (path ~= nil or JWT_ISSUER ~= nil) then
+    local bearer
+    bearer, refused = check_credentials(handle)
+    if bearer ~= nil then caller = bearer end
+  end
+  record(handle, caller.identity, caller.payload, caller.token_name)
+  if refused ~= nil then
+    refuse(handle, refused.grpc_code, refused.http_status, refused.message, refused.challenge)
+    return
+  end
   local grpc = request_path == JOB_START_GRPC
   if grpc or request_path == JOB_START_HTTP then
     local reason = gate_closed(handle)

@@ -26,6 +26,7 @@ from gateway.routes import (
     HTTP_CLUSTER,
     HTTP_LISTENER,
     discovery_source,
+    file_access_logs,
     http_filters,
     named,
 )
@@ -86,13 +87,18 @@ def config_path(settings: Settings) -> Path:
     return CONFIG
 
 
-def local_config(settings: Settings, endpoints_file: Path,
-                 http_endpoints_file: Path, certificates: Path | None = None) -> dict[str, Any]:
+def local_config(settings: Settings, endpoints_file: Path, http_endpoints_file: Path,
+                 certificates: Path | None = None,
+                 access_log: Path | None = None) -> dict[str, Any]:
     """`certificates`: the folder of local_stack/certificates.py's files, with TLS on. The
     token checks' config (gateway/jwt.py) is read from jwt_folder(endpoints_file), where the
-    stack writes it."""
+    stack writes it. `access_log`: a file of its own for the access log, apart from Envoy's
+    messages (the cluster's goes to the pod's log with them)."""
     config: dict[str, Any] = with_files_here(
         yaml.safe_load(config_path(settings).read_text()), jwt_folder(endpoints_file))
+    if access_log is not None:
+        for log in file_access_logs(config):
+            log["path"] = str(access_log)
     if settings.tls:
         if certificates is None:
             raise ValueError("TLS is on: the certificates' folder is needed")

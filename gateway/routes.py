@@ -114,6 +114,16 @@ def http_filters(envoy: dict[str, Any]) -> list[dict[str, Any]]:
             or []]
 
 
+def file_access_logs(envoy: dict[str, Any]) -> list[dict[str, Any]]:
+    """The typed_config of every file access log of every listener (a YAML alias's twice)."""
+    return [log["typed_config"]
+            for listener in (envoy.get("static_resources") or {}).get("listeners") or []
+            for chain in listener.get("filter_chains") or []
+            for network_filter in chain.get("filters") or []
+            for log in (network_filter.get("typed_config") or {}).get("access_log") or []
+            if log.get("name") == "envoy.access_loggers.file"]
+
+
 def discovery_source(http_filter: dict[str, Any]) -> dict[str, Any]:
     """The path_config_source of a filter whose config comes by discovery from a file; {}."""
     source: dict[str, Any] = ((http_filter.get("config_discovery") or {}).get(

@@ -256,6 +256,8 @@ class LocalStack:
         self.ray: subprocess.Popen[bytes] | None = None
         self.pod_nodes: list[subprocess.Popen[bytes]] = []
         self.envoy: Supervisor | None = None
+        # The gateway's access log, apart from Envoy's own messages (envoy.log).
+        self.access_log = self.workdir / "gateway-access.log"
         self.prometheus: subprocess.Popen[bytes] | None = None
         self.discovery: Discovery | None = None
         self.jwks: JwksFollower | None = None
@@ -339,7 +341,8 @@ class LocalStack:
         if s.tls:
             self.client_tls, _ = certificates.write_local(self.workdir / "tls")
         config_path.write_text(yaml.safe_dump(gateway.local_config(
-            s, self.discovery.path, self.discovery.http_path, self.workdir / "tls")))
+            s, self.discovery.path, self.discovery.http_path, self.workdir / "tls",
+            self.access_log)))
         # Envoy adds the admin key to the restricted RPCs that pass (gateway/envoy.yaml).
         # Supervised: the gateway's Deployment has the kubelet restart a crashed Envoy, and
         # Envoy 1.40 has been seen to abort once at start (gRPC's epoll poller, EBADF).
@@ -349,7 +352,8 @@ class LocalStack:
                                          **s.front_door_env(),
                                          ADMIN_KEY_ENV: self.admin_key}, say)
         self.envoy.start()
-        say(f"gateway: Envoy listens on {s.grpc_port} (gRPC) and {s.http_port} (HTTP)")
+        say(f"gateway: Envoy listens on {s.grpc_port} (gRPC) and {s.http_port} (HTTP); "
+            f"access log (a JSON line per call): {self.access_log}")
         self.discovery.start()
 
     def metrics_targets(self) -> dict[str, list[int]]:

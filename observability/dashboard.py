@@ -35,6 +35,8 @@ TRITON = 'model=~"$model", instance=~"$pod"'
 RATE = "[$__rate_interval]"
 FORWARDER = 'deployment="TritonPod"'
 TRITON_CLUSTERS = f'envoy_cluster_name=~"{GRPC_CLUSTER}|{HTTP_CLUSTER}"'
+# The gateway's per-tenant counters (gateway/envoy.yaml, access_log: the stats logger's scope).
+TENANT = "envoy_sonic_ray_tenant"
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,23 @@ PANELS: tuple[Panel, ...] = (
         (f'sum by (instance) (rate(nv_inference_request_success{{instance=~"$pod"}}{RATE}))',
          "{{instance}}"),),
         "Requests each Triton served: an even spread means the balancing works."),
+    Panel("Per tenant", "Calls/s per tenant", "reqps", (
+        (f"sum by (tenant) (rate({TENANT}_calls{RATE}))", "{{tenant}}"),),
+        "Calls through the gateway by the caller's tenant (docs/front-door.md, who called): "
+        "refused calls included.", needs="gateway"),
+    Panel("Per tenant", "Failures/s per tenant", "reqps", (
+        (f"sum by (tenant) (rate({TENANT}_failures{RATE}))", "{{tenant}}"),),
+        "Calls that ended with any gRPC status but OK (HTTP: an error status), refusals "
+        "included: a tenant sending bad credentials shows here as anonymous.", needs="gateway"),
+    Panel("Per tenant", "Bytes/s per tenant", "Bps", tuple(
+        (f"sum by (tenant) (rate({TENANT}_{counter}{RATE}))", "{{tenant}} " + legend)
+        for counter, legend in (("bytes_received", "in"), ("bytes_sent", "out"))),
+        "Request and response bytes (tensors) through the gateway.", needs="gateway"),
+    Panel("Per tenant", "Time per call p50 / p99 per tenant", "ms", tuple(
+        (f"histogram_quantile({q}, sum by (tenant, le) (rate({TENANT}_duration_ms_bucket"
+         f"{RATE})))", "{{tenant}} p" + str(int(q * 100)))
+        for q in (0.5, 0.99)),
+        "From the first byte in to the last byte out at the gateway.", needs="gateway"),
     Panel("Serve path", "Serve path requests/s", "reqps", (
         (f"sum by (method) (rate(ray_serve_num_grpc_requests_total{RATE}))", "gRPC {{method}}"),
         (f"sum by (method) (rate(ray_serve_num_http_requests_total{RATE}))", "HTTP {{method}}")),

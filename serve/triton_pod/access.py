@@ -1,9 +1,10 @@
 """Who may call through the forwarder, and the key that opens Triton's restricted RPCs.
 
 Bearer tokens (optional, components/token-auth): when SONIC_RAY_AUTH_TOKENS_FILE names a file,
-every call must carry `authorization: Bearer <token>` with one of its tokens (one a line); the
-file is re-read when it changes, so a rotated Secret takes effect without a restart. Tokens are
-never logged and never passed on to Triton.
+every call must carry `authorization: Bearer <token>` with one of its tokens (one a line, as
+`<token>` or `<name> <token>`; the gateway records the name as the caller, docs/front-door.md);
+the file is re-read when it changes, so a rotated Secret takes effect without a restart. Tokens
+are never logged and never passed on to Triton.
 
 Triton's restricted protocols (defence in depth): Triton refuses repository, shared-memory,
 trace and logging RPCs unless the `sonic-ray-admin` key header carries SONIC_RAY_ADMIN_KEY (the
@@ -37,6 +38,18 @@ UNAUTHENTICATED = "missing or invalid bearer token (send `authorization: Bearer 
 _RECHECK_S = 5.0
 
 
+def parse_token_line(line: str, number: int, path: Path) -> tuple[str, str]:
+    """A tokens file's line as (name, token): `<token>` (named "unnamed") or `<name> <token>`,
+    as gateway/client-checks.lua reads it."""
+    fields = line.split()
+    if len(fields) == 1:
+        return "unnamed", fields[0]
+    if len(fields) == 2:
+        return fields[0], fields[1]
+    raise RuntimeError(f"{TOKENS_FILE_ENV}={path} line {number}: {len(fields)} fields; a line "
+                       "is `<token>` or `<name> <token>`")
+
+
 class TokenCheck:
     """Bearer-token check against a mounted file; `None` from `from_env` when auth is off."""
 
@@ -63,7 +76,8 @@ class TokenCheck:
                 f"{TOKENS_FILE_ENV}={self._path} cannot be read ({error.strerror}): "
                 "token authentication is on, so no call could be let in"
             ) from None
-        tokens = tuple(line.strip().encode() for line in lines
+        tokens = tuple(parse_token_line(line, number, self._path)[1].encode()
+                       for number, line in enumerate(lines, 1)
                        if line.strip() and not line.strip().startswith("#"))
         if not tokens:
             raise RuntimeError(f"{TOKENS_FILE_ENV}={self._path} holds no token")

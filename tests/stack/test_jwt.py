@@ -20,6 +20,7 @@ from jwt.algorithms import RSAAlgorithm
 
 from local_stack.harness import processes_left_behind, running_stack
 from local_stack.polling import until
+from tests.support.callers import lines_since
 from tests.support.echo import echo_inputs, infer_with_token
 from tests.support.raw_http import request
 
@@ -49,6 +50,7 @@ class JwtStack:
     jwks_file: Path
     keys: dict[str, rsa.RSAPrivateKey]
     workdir: Path
+    access_log: Path
 
 
 @pytest.fixture(scope="module")
@@ -62,10 +64,12 @@ def jwt_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[JwtStack]:
     with running_stack({
         "JWKS_FILE": str(jwks_file), "JWT_ISSUER": ISSUER, "JWT_AUDIENCE": AUDIENCE,
         "SONIC_RAY_JWT_SCOPE": SCOPE, "SONIC_RAY_AUTH_TOKENS_FILE": str(tokens_file),
+        "SONIC_RAY_TENANT_CLAIM": "wlcg.groups",
         "TRITON_ARGS": "--grpc-header-forward-pattern=.* --http-header-forward-pattern=.*",
     }) as running:
         yield JwtStack(running.url("GRPC_PORT"), running.url("HTTP_PORT"), jwks_file, keys,
-                       running.process.workdir())
+                       running.process.workdir(), Path(running.process.wait_for_line(
+                           r"access log \(a JSON line per call\): (\S+)", 1).group(1)))
     assert not processes_left_behind(running.process)
 
 
@@ -91,6 +95,19 @@ def test_a_valid_token_passes_and_never_reaches_triton(jwt_stack: JwtStack) -> N
     seen_by_triton = result.as_numpy("PARAMETERS")[0].decode()
     assert '"x-sonic-job":"jwt"' in seen_by_triton
     assert token not in seen_by_triton and "authorization" not in seen_by_triton
+
+
+def test_a_tokens_caller_is_its_subject_and_its_tenant_the_claim(jwt_stack: JwtStack) -> None:
+    """SONIC_RAY_TENANT_CLAIM=wlcg.groups: the tenant is the first group; without the claim, a
+    JWT's caller falls to "other"."""
+    since = time.time()
+    groups: dict[str, Any] = {"wlcg.groups": ["/cms", "/cms/production"]}
+    grouped = _token(jwt_stack, sub="bob", **groups)
+    assert infer_with_token(jwt_stack.url, grouped) == "OK"
+    assert infer_with_token(jwt_stack.url, _token(jwt_stack)) == "OK"
+    lines = lines_since(jwt_stack.access_log, since, 2)
+    assert [(line["identity"], line["tenant"]) for line in lines] == [
+        ("jwt:bob", "/cms"), ("jwt:alice", "other")], lines
 
 
 def test_a_static_token_still_suffices_beside_jwts(jwt_stack: JwtStack) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 import tritonclient.grpc as tc
+from tritonclient.utils import InferenceServerException
 
 from local_stack.triton_inputs import simple_inputs
 from observability import dashboard
@@ -55,6 +56,9 @@ def _calls(stack: Stack) -> None:
     ones = np.ones((1, 16), dtype=np.int32)
     body = json.dumps({"inputs": [{"name": n, "datatype": "INT32", "shape": [1, 16],
                                    "data": [1] * 16} for n in ("INPUT0", "INPUT1")]}).encode()
+    # One failure, so that the failure counters have a series.
+    with pytest.raises(InferenceServerException):
+        client.infer("no-such-model", simple_inputs(ones, ones), client_timeout=30)
     end = time.monotonic() + 8
     while time.monotonic() < end:
         client.infer("simple", simple_inputs(ones, ones), client_timeout=30)

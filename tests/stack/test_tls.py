@@ -27,6 +27,7 @@ from local_stack import certificates
 from local_stack.harness import TLS_LINE, processes_left_behind, running_stack
 from local_stack.polling import until
 from local_stack.triton_inputs import tensor
+from tests.support.callers import lines_since
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "triton_examples"
 # The allow-list the stack runs with: its own client's subject, and a pattern.
@@ -40,19 +41,23 @@ class TlsStack:
     files: certificates.Files
     folder: Path
     issuer: certificates.Issuer
+    access_log: Path
 
 
 @pytest.fixture(scope="module")
 def tls_stack() -> Iterator[TlsStack]:
-    with running_stack({"TLS": "1", "MTLS": "1", "SONIC_RAY_CLIENT_SUBJECTS": ALLOWED}) as running:
+    with running_stack({"TLS": "1", "MTLS": "1", "SONIC_RAY_CLIENT_SUBJECTS": ALLOWED,
+                        "SONIC_RAY_TENANTS": "robots=cert:CN=robot-*"}) as running:
         found = running.process.wait_for_line(TLS_LINE, timeout_s=5)
         ca, cert, key = (Path(found.group(i)) for i in (1, 2, 3))
         folder = cert.parent
         files = certificates.Files(ca=ca, client_cert=cert, client_key=key,
                                    server_cert=folder / "server" / "tls.crt",
                                    server_key=folder / "server" / "tls.key")
+        access_log = Path(running.process.wait_for_line(
+            r"access log \(a JSON line per call\): (\S+)", 1).group(1))
         yield TlsStack(int(running.ports["GRPC_PORT"]), int(running.ports["HTTP_PORT"]),
-                       files, folder, certificates.load_issuer(folder))
+                       files, folder, certificates.load_issuer(folder), access_log)
     assert not processes_left_behind(running.process)
 
 
@@ -151,6 +156,9 @@ def test_an_expired_certificate_is_refused(tls_stack: TlsStack, tmp_path: Path) 
 
 def test_a_subject_not_allowed_is_refused_by_name_and_a_pattern_passes(
         tls_stack: TlsStack, tmp_path: Path) -> None:
+    """...and each is recorded as its subject: the allowed robot under the tenant its pattern
+    in SONIC_RAY_TENANTS names, the refused one under "other"."""
+    since = time.time()
     cert, key = _minted(tls_stack, tmp_path, "mallory")
     client = _client(tls_stack, cert, key)
     status, message, _ = _refusal(lambda: client.infer("simple", _simple_inputs()))
@@ -159,6 +167,10 @@ def test_a_subject_not_allowed_is_refused_by_name_and_a_pattern_passes(
     cert, key = _minted(tls_stack, tmp_path, "robot-42")
     assert _client(tls_stack, cert, key).infer("simple", _simple_inputs()).as_numpy("OUTPUT0") \
         is not None
+    lines = lines_since(tls_stack.access_log, since, 2)
+    assert [(line["identity"], line["tenant"], line["grpc_status"]) for line in lines] == [
+        ("cert:CN=mallory,O=sonic-ray", "other", "PermissionDenied"),
+        ("cert:CN=robot-42,O=sonic-ray", "robots", "OK")], lines
 
 
 def _served_serial(stack: TlsStack) -> int:

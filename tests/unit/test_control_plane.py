@@ -194,3 +194,21 @@ def test_an_emptied_token_file_keeps_the_last_good_tokens_and_logs_once(
 def test_a_token_file_unreadable_at_start_stops_the_replica(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="cannot be read"):
         TokenCheck(tmp_path / "missing")
+
+
+def test_a_named_token_passes_by_its_token_not_its_name(tmp_path: Path) -> None:
+    """`<name> <token>` lines (the gateway records the name as the caller): the Serve path
+    accepts the token and never the name."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text("# who calls\nalice tok-alice-1\ntok-unnamed-2\n")
+    check = TokenCheck(tokens)
+    assert check.allows([("authorization", "Bearer tok-alice-1")])
+    assert check.allows([("authorization", "Bearer tok-unnamed-2")])
+    assert not check.allows([("authorization", "Bearer alice")])
+
+
+def test_a_token_line_of_three_fields_is_refused_naming_the_line(tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text("alice tok-alice-1\nbob has a token\n")
+    with pytest.raises(RuntimeError, match=r"tokens line 2: 4 fields"):
+        TokenCheck(tokens)
