@@ -40,6 +40,7 @@ validate: venv prometheus
 	$(PY) -m gateway.routes --check
 	$(PY) -m gateway.tls --check
 	$(PY) -m gateway.jwt --check
+	$(PY) -m gateway.tenant_shares --check
 	$(PY) -m observability.dashboard --check
 	promtool check rules observability/alerts.yaml
 	promtool test rules observability/alerts_test.yaml
@@ -77,12 +78,14 @@ schemas: venv
 
 # Writes the gateway's refused-RPC routes from the RPC table and the Serve config's
 # allowed_admin_rpcs (gateway/envoy.yaml, between its markers), then its TLS variants from it
-# (components/tls, components/mtls), and the token checks' configs (gateway/jwt.py: off, and
-# each site's from its jwt.env and jwks.json).
+# (components/tls, components/mtls), the token checks' configs (gateway/jwt.py: off, and
+# each site's from its jwt.env and jwks.json) and the tenant shares' (gateway/tenant_shares.py:
+# none, and each site's from its tenant-shares.env).
 gateway-config: venv
 	$(PY) -m gateway.routes
 	$(PY) -m gateway.tls
 	$(PY) -m gateway.jwt
+	$(PY) -m gateway.tenant_shares
 
 # Writes the Grafana dashboard (observability/dashboard.json) and the PrometheusRule of
 # components/prometheus-monitors from their sources in observability/.

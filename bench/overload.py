@@ -67,6 +67,7 @@ class Outcome:
     status: str  # "OK" or the gRPC status name
     took_s: float
     trailers: dict[str, str] = field(default_factory=dict)
+    message: str = ""
 
 
 @dataclass
@@ -123,14 +124,17 @@ def _request(seconds: float) -> service_pb2.ModelInferRequest:
         raw_input_contents=[np.array([[seconds]], dtype=np.float32).tobytes()])
 
 
-async def _infer(stub: service_pb2_grpc.GRPCInferenceServiceStub) -> Outcome:
+async def infer(stub: service_pb2_grpc.GRPCInferenceServiceStub,
+                metadata: tuple[tuple[str, str], ...] = ()) -> Outcome:
+    """One call of EXEC_S to the model, as it ended."""
     started = time.monotonic()
     try:
-        await stub.ModelInfer(_request(EXEC_S), timeout=DEADLINE_S)
+        await stub.ModelInfer(_request(EXEC_S), timeout=DEADLINE_S, metadata=metadata)
         return Outcome("OK", time.monotonic() - started)
     except grpc.aio.AioRpcError as error:
         trailers = {k: str(v) for k, v in (error.trailing_metadata() or ())}
-        return Outcome(error.code().name, time.monotonic() - started, trailers)
+        return Outcome(error.code().name, time.monotonic() - started, trailers,
+                       error.details() or "")
 
 
 async def job_start(client: tc_aio.InferenceServerClient, since: float = 0.0) -> GateAnswer:
@@ -170,7 +174,7 @@ def overload(url: str, seconds: float = 60.0) -> OverloadRun:
             stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
             unloaded = []
             for _ in range(20):
-                outcome = await _infer(stub)
+                outcome = await infer(stub)
                 if outcome.status != "OK":
                     raise RuntimeError(f"an unloaded call failed: {outcome}")
                 unloaded.append(outcome.took_s)
@@ -190,7 +194,7 @@ def overload(url: str, seconds: float = 60.0) -> OverloadRun:
                 delay = start + i / rate - time.monotonic()
                 if delay > 0:
                     await asyncio.sleep(delay)
-                calls.append(asyncio.create_task(_infer(stub)))
+                calls.append(asyncio.create_task(infer(stub)))
             outcomes = await asyncio.gather(*calls)
             await watcher
             await client.close()

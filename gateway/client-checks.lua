@@ -142,24 +142,27 @@ end
 
 local SUBJECTS = subject_patterns(os.getenv("SONIC_RAY_CLIENT_SUBJECTS"))
 
--- SONIC_RAY_TENANTS as {tenant, pattern} pairs, in order.
-local function tenant_patterns(text)
+-- A setting's ";"-separated `key=value` entries as {key, value} pairs, in order; an entry
+-- `pattern` (a Lua pattern of two captures) does not match stops the gateway, saying why.
+local function entries(name, pattern, shape)
   local found = {}
-  for entry in (text or ""):gmatch("[^;]+") do
+  for entry in (os.getenv(name) or ""):gmatch("[^;]+") do
     entry = entry:match("^%s*(.-)%s*$")
     if entry ~= "" then
-      local tenant, glob = entry:match("^([%w%-%._]+)%s*=%s*(.+)$")
-      if tenant == nil then
-        error("SONIC_RAY_TENANTS: \"" .. entry .. "\" is not tenant=pattern (a tenant is " ..
-              "letters, digits, - . _)")
-      end
-      found[#found + 1] = {tenant, glob_pattern(glob)}
+      local key, value = entry:match(pattern)
+      if key == nil then error(name .. ": \"" .. entry .. "\" is not " .. shape) end
+      found[#found + 1] = {key, value}
     end
   end
   return found
 end
 
-local TENANTS = tenant_patterns(os.getenv("SONIC_RAY_TENANTS"))
+-- SONIC_RAY_TENANTS as {tenant, pattern} pairs, in order.
+local TENANTS = {}
+for _, entry in ipairs(entries("SONIC_RAY_TENANTS", "^([%w%-%._]+)%s*=%s*(.+)$",
+                               "tenant=pattern (a tenant is letters, digits, - . _)")) do
+  TENANTS[#TENANTS + 1] = {entry[1], glob_pattern(entry[2])}
+end
 local TENANT_CLAIM = setting("SONIC_RAY_TENANT_CLAIM", nil)
 
 -- A claim's value as a tenant: a string, or a list's first string ("wlcg.groups": ["/cms"]);
@@ -190,14 +193,26 @@ local function model_of(request_path)
   return request_path and request_path:match("^/v2/models/([^/?]+)") or nil
 end
 
--- Records who called, for the access log and the per-tenant counters (envoy.yaml).
+-- Fair share per tenant (gateway/tenant_shares.py: Envoy's local_ratelimit enforces it from
+-- the tenant recorded here): SONIC_RAY_TENANT_SHARES of the `admission` ConfigMap, read here
+-- for the refusal's message (envoy.yaml, local_reply_config) and its retry hint.
+local SHARES = {}
+for _, entry in ipairs(entries("SONIC_RAY_TENANT_SHARES", "^([%w%-%._/]+)%s*=%s*(%d+)$",
+                               "tenant=calls/s")) do
+  SHARES[entry[1]] = entry[2]
+end
+local OVER_SHARE = "is over its share of"
+
+-- Records who called, for the access log, the per-tenant counters and shares (envoy.yaml).
 local function record(handle, identity, payload, token_name)
   local meta = handle:streamInfo():dynamicMetadata()
   local content_type = handle:headers():get("content-type") or ""
   meta:set("sonic-ray", "protocol",
            content_type:sub(1, 16) == "application/grpc" and "grpc" or "http")
   meta:set("sonic-ray", "identity", identity)
-  meta:set("sonic-ray", "tenant", tenant_of(identity, payload, token_name))
+  local tenant = tenant_of(identity, payload, token_name)
+  meta:set("sonic-ray", "tenant", tenant)
+  if SHARES[tenant] ~= nil then meta:set("sonic-ray", "share", SHARES[tenant]) end
 end
 
 -- A refusal as a Triton client reads it: a gRPC trailers-only answer with the status, or the
@@ -384,7 +399,14 @@ end
 function envoy_on_response(handle)
   local headers = handle:headers()
   local grpc_status = headers:get("grpc-status")
-  if grpc_status == "14" then
+  if grpc_status == "8" and (headers:get("grpc-message") or ""):find(OVER_SHARE, 1, true) then
+    headers:replace("grpc-message", headers:get("grpc-message") .. "; retry in " ..
+                    RETRY_AFTER_S .. " s")
+    headers:add("grpc-retry-pushback-ms", tostring(math.floor(RETRY_AFTER_S * 1000)))
+  elseif grpc_status == nil and headers:get(":status") == "429" then
+    -- Over a tenant's share (the gateway's only 429 of its own).
+    headers:replace("retry-after", tostring(math.ceil(RETRY_AFTER_S)))
+  elseif grpc_status == "14" then
     local message = headers:get("grpc-message") or ""
     if message:find(QUEUE_FULL, 1, true) then
       headers:replace("grpc-status", "8")

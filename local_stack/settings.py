@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.jwt import AUDIENCES_ENV, CLOCK_SKEW_ENV, ISSUER_ENV, JwtSettings, check_jwks
+from gateway.tenant_shares import SHARES_ENV, parse_shares
 from triton_pod.admission import PORT_ENV as ADMISSION_PORT_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -198,6 +199,7 @@ class Settings:
                              "(DATA_PATH=gateway)")
         settings = dataclasses.replace(settings, **_jwt_settings(env, data_path))
         settings.check_ports()
+        settings.tenant_shares(env)
         return settings
 
     def admission_env(self, env: Mapping[str, str] = os.environ) -> dict[str, str]:
@@ -206,6 +208,13 @@ class Settings:
         defaults = env_file(ADMISSION_ENV_FILE)
         return {**defaults, **{k: env[k] for k in defaults if k in env},
                 ADMISSION_PORT_ENV: str(self.admission_port)}
+
+    def tenant_shares(self, env: Mapping[str, str] = os.environ) -> dict[str, int]:
+        """SONIC_RAY_TENANT_SHARES as the gateway's filter gets it (gateway/tenant_shares.py)."""
+        try:
+            return parse_shares(self.admission_env(env).get(SHARES_ENV, ""))
+        except ValueError as error:
+            raise SystemExit(str(error)) from None
 
     def front_door_env(self, env: Mapping[str, str] = os.environ) -> dict[str, str]:
         """The `front-door` ConfigMap as this machine's gateway gets it: the shipped defaults,

@@ -39,7 +39,7 @@ from typing import Any
 import grpc
 import yaml
 
-from gateway import jwt
+from gateway import jwt, tenant_shares
 from gateway import local as gateway
 from gateway.routes import HTTP_CLUSTER
 from local_stack import certificates, ports, prometheus, ray_cluster, triton
@@ -338,6 +338,9 @@ class LocalStack:
         config_path = self.workdir / "gateway" / "envoy.yaml"
         jwks = self.jwks = JwksFollower(s, gateway.jwt_folder(self.discovery.path))
         jwks.write()
+        # The tenant shares' config beside the token checks' (both by discovery from there).
+        tenant_shares.write(gateway.jwt_folder(self.discovery.path) / tenant_shares.SHARES_FILE,
+                            s.tenant_shares())
         if s.tls:
             self.client_tls, _ = certificates.write_local(self.workdir / "tls")
         config_path.write_text(yaml.safe_dump(gateway.local_config(

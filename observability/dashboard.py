@@ -116,10 +116,12 @@ PANELS: tuple[Panel, ...] = (
         (f"sum by (tenant) (rate({TENANT}_calls{RATE}))", "{{tenant}}"),),
         "Calls through the gateway by the caller's tenant (docs/front-door.md, who called): "
         "refused calls included.", needs="gateway"),
-    Panel("Per tenant", "Failures/s per tenant", "reqps", (
-        (f"sum by (tenant) (rate({TENANT}_failures{RATE}))", "{{tenant}}"),),
-        "Calls that ended with any gRPC status but OK (HTTP: an error status), refusals "
-        "included: a tenant sending bad credentials shows here as anonymous.", needs="gateway"),
+    Panel("Per tenant", "Failures/s per tenant, by Envoy's flags", "reqps", (
+        (f"sum by (tenant, flags) (rate({TENANT}_failures{RATE}))", "{{tenant}} {{flags}}"),),
+        "Calls that ended with any gRPC status but OK (HTTP: an error status). Flags: RL "
+        "refused over the tenant's share (gateway/tenant_shares.py), UH no Triton ready, - "
+        "Triton's own answer (a full queue, a bad request); bad credentials show as "
+        "anonymous.", needs="gateway"),
     Panel("Per tenant", "Bytes/s per tenant", "Bps", tuple(
         (f"sum by (tenant) (rate({TENANT}_{counter}{RATE}))", "{{tenant}} " + legend)
         for counter, legend in (("bytes_received", "in"), ("bytes_sent", "out"))),

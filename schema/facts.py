@@ -33,6 +33,7 @@ from gateway.routes import (
     named,
     refusals,
 )
+from gateway.tenant_shares import CAPACITY_ENV, SHARES_ENV, SHARES_FILE, parse_shares, shares_of
 from triton_pod import APP_IMPORT_PATH as FORWARDER_IMPORT_PATH
 from triton_pod.access import ADMIN_HEADER, ADMIN_KEY_NAME, HTTP_ADMIN_HEADER, TOKENS_FILE_ENV
 from triton_pod.admission import PORT_ENV as ADMISSION_PORT_ENV
@@ -289,6 +290,7 @@ def _add_gateway_facts(facts: Facts, stream: list[dict[str, Any]], spec: dict[st
     facts.put("gatewayDnsRefreshS", _seconds(refresh), f"{source} clusters[triton].dns_refresh_rate")
     _discovery_facts(facts, envoy, spec, stream, source)
     _admission_facts(facts, deployment, envoy, spec, stream, serve_config, source)
+    _tenant_share_facts(facts, deployment, files, stream, config_map)
     _tls_facts(facts, deployment, envoy, files, stream, source)
     found = _Gateway(listeners, _cluster_port(envoy, GRPC_CLUSTER),
                      _cluster_port(envoy, HTTP_CLUSTER) if named(envoy, "clusters", HTTP_CLUSTER)
@@ -400,19 +402,57 @@ def _number(value: Any) -> Any:
         return value
 
 
+def _gateway_env_with(deployment: dict[str, Any], stream: list[dict[str, Any]],
+                      key: str) -> tuple[str | None, dict[str, Any]]:
+    """The ConfigMap the gateway's envoy container takes as environment that holds `key`: its
+    name and data (None and {} when none does)."""
+    pod = deployment.get("spec", {}).get("template", {}).get("spec", {})
+    envoy_container: dict[str, Any] = next((c for c in pod.get("containers") or []
+                                            if "envoy" in str(c.get("image"))), {})
+    config_maps = {(o.get("metadata") or {}).get("name"): o.get("data") or {} for o in stream
+                   if o.get("kind") == "ConfigMap"}
+    name = next((n for n in _env_sources(envoy_container) if key in config_maps.get(n, {})),
+                None)
+    return name, (config_maps.get(name, {}) if name else {})
+
+
+def _shares_text(shares: dict[str, int]) -> str:
+    return ";".join(f"{t}={r}" for t, r in sorted(shares.items())) or "none"
+
+
+def _tenant_share_facts(facts: Facts, deployment: dict[str, Any], files: dict[str, str],
+                        stream: list[dict[str, Any]], config_map: str) -> None:
+    """The tenant shares as the Lua reads them (SONIC_RAY_TENANT_SHARES of the gateway's
+    environment) and as Envoy enforces them (the gateway's tenant-shares.yaml), and what they
+    add up to against a declared capacity."""
+    name, settings = _gateway_env_with(deployment, stream, SHARES_ENV)
+    try:
+        shares = parse_shares(str(settings.get(SHARES_ENV, "")))
+        setting = _shares_text(shares)
+    except ValueError as error:
+        setting, shares = f"unreadable ({error})", {}
+    enforced = _shares_text(shares_of(files.get(SHARES_FILE, "")))
+    facts.put("tenantShares", sorted({f"{SHARES_ENV}: {setting}",
+                                      f"{SHARES_FILE}: {enforced}"}
+                                     if setting != enforced else {setting}),
+              f"ConfigMap {name} {SHARES_ENV} and ConfigMap {config_map} {SHARES_FILE}")
+    raw = str(settings.get(CAPACITY_ENV, "")).strip()
+    capacity = _number(raw) if raw else None
+    over: float | str | None = None
+    if raw and (not isinstance(capacity, float) or capacity <= 0):
+        over = f"{CAPACITY_ENV}={raw!r}, not a positive number of calls/s"
+    elif isinstance(capacity, float) and shares:
+        over = sum(shares.values()) - capacity
+    facts.put("tenantSharesOverCapacity", over,
+              f"ConfigMap {name} {SHARES_ENV} summed, minus {CAPACITY_ENV}")
+
+
 def _admission_facts(facts: Facts, deployment: dict[str, Any], envoy: dict[str, Any],
                      spec: dict[str, Any], stream: list[dict[str, Any]],
                      serve_config: dict[str, Any], envoy_source: str) -> None:
     """The admission ConfigMap that the gateway reads, and whether the Ray head reads the
     same, its settings, and the ports of the control plane's answer in the three places."""
-    pod = deployment.get("spec", {}).get("template", {}).get("spec", {})
-    envoy_container: dict[str, Any] = next((c for c in pod.get("containers") or []
-                            if "envoy" in str(c.get("image"))), {})
-    config_maps = {(o.get("metadata") or {}).get("name"): o.get("data") or {} for o in stream
-                   if o.get("kind") == "ConfigMap"}
-    name = next((n for n in _env_sources(envoy_container)
-                 if GATE_SETTINGS["gateStatus"] in config_maps.get(n, {})), None)
-    settings = config_maps.get(name, {}) if name else {}
+    name, settings = _gateway_env_with(deployment, stream, GATE_SETTINGS["gateStatus"])
     head = ((spec.get("rayClusterConfig") or {}).get("headGroupSpec") or {})
     head_ray = (((head.get("template") or {}).get("spec") or {}).get("containers") or [{}])[0]
     where = f"Deployment {deployment['metadata'].get('name')} containers[envoy].envFrom"

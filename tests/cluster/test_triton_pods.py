@@ -54,6 +54,10 @@ def _stopped(cluster: Cluster, pods: list[str]) -> Iterator[None]:
         ips = [cluster.pod_ip(pod) for pod in pods]
         until("the Tritons to be healthy again", lambda: _healthy_everywhere(cluster, ips), 60,
               every_s=0.5)
+        # The workers follow the main thread's flags a moment later (CI saw the next test's
+        # job start refused as "no Triton is ready" just after): until calls pass again.
+        until("calls to pass again", lambda: set(_quick_calls(cluster, 4)) == {"OK"} or "not yet",
+              30, every_s=0.2)
 
 
 def _unhealthy_everywhere(cluster: Cluster, ips: list[str]) -> object:

@@ -15,18 +15,34 @@ from typing import Any
 from local_stack.polling import until
 
 # The counters (the duration histogram's _count and _sum lag: Envoy merges histograms every
-# few seconds).
+# few seconds); failures carry Envoy's response flags too.
 _COUNTER = re.compile(r'^envoy_sonic_ray_tenant_(calls|failures|bytes_received|bytes_sent)'
-                      r'\{tenant="([^"]*)",protocol="([^"]*)"\} (\d+)$', re.M)
+                      r'\{tenant="([^"]*)",protocol="([^"]*)"(?:,flags="([^"]*)")?\} (\d+)$', re.M)
+
+
+def _scrape(metrics_port: str) -> str:
+    url = f"http://localhost:{metrics_port}/stats/prometheus"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text: str = response.read().decode()
+    return text
 
 
 def tenant_counters(metrics_port: str) -> collections.Counter[tuple[str, str, str]]:
-    """(counter, tenant, protocol) -> value, for calls, failures, bytes_received, bytes_sent."""
-    url = f"http://localhost:{metrics_port}/stats/prometheus"
-    with urllib.request.urlopen(url, timeout=10) as response:
-        text = response.read().decode()
-    return collections.Counter({(name, tenant, protocol): int(value)
-                                for name, tenant, protocol, value in _COUNTER.findall(text)})
+    """(counter, tenant, protocol) -> value, for calls, failures (whatever their flags),
+    bytes_received, bytes_sent."""
+    found: collections.Counter[tuple[str, str, str]] = collections.Counter()
+    for name, tenant, protocol, _, value in _COUNTER.findall(_scrape(metrics_port)):
+        found[name, tenant, protocol] += int(value)
+    return found
+
+
+def failures_by_flags(metrics_port: str) -> collections.Counter[tuple[str, str]]:
+    """(tenant, Envoy's response flags) -> failures: RL over a share, UH no Triton ready."""
+    found: collections.Counter[tuple[str, str]] = collections.Counter()
+    for name, tenant, _, flags, value in _COUNTER.findall(_scrape(metrics_port)):
+        if name == "failures":
+            found[tenant, flags] += int(value)
+    return found
 
 
 def access_log_lines(path: Path) -> list[dict[str, Any]]:
