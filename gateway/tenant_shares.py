@@ -49,6 +49,11 @@ METADATA_NAMESPACE, TENANT_KEY = "sonic-ray", "tenant"
 # A tenant as client-checks.lua writes one (a claim's "/" kept).
 TENANT = re.compile(r"^[A-Za-z0-9._/-]+$")
 SITE_SOURCE = "tenant-shares.env"
+# Who is which tenant (the `front-door` ConfigMap, gateway/front-door.env): `tenant=pattern`
+# entries separated by ";", as client-checks.lua reads them; a tenant named here is letters,
+# digits, . _ - (a claim's value may carry "/" too).
+TENANTS_ENV = "SONIC_RAY_TENANTS"
+MAPPED_TENANT = re.compile(r"^([A-Za-z0-9._-]+)\s*=\s*(.+)$")
 # local_ratelimit refills a bucket every 50 ms at the most often.
 MAX_FILLS_PER_S = 20
 
@@ -67,6 +72,21 @@ def parse_shares(text: str) -> dict[str, int]:
             raise ValueError(f"{SHARES_ENV}: {tenant} has two shares")
         shares[tenant] = int(rate)
     return shares
+
+
+def parse_tenant_map(text: str) -> list[tuple[str, str]]:
+    """SONIC_RAY_TENANTS as (tenant, pattern) pairs; ValueError naming the entry the gateway's
+    Lua would refuse to start with."""
+    found = []
+    for entry in (e.strip() for e in text.split(";")):
+        if not entry:
+            continue
+        matched = MAPPED_TENANT.match(entry)
+        if not matched:
+            raise ValueError(f"{TENANTS_ENV}: {entry!r} is not tenant=pattern (a tenant is "
+                             "letters, digits, - . _)")
+        found.append((matched.group(1), matched.group(2)))
+    return found
 
 
 def filter_config(shares: dict[str, int]) -> dict[str, Any]:

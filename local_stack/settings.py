@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.jwt import AUDIENCES_ENV, CLOCK_SKEW_ENV, ISSUER_ENV, JwtSettings, check_jwks
-from gateway.tenant_shares import SHARES_ENV, parse_shares
+from gateway.tenant_shares import SHARES_ENV, TENANTS_ENV, parse_shares, parse_tenant_map
 from triton_pod.admission import PORT_ENV as ADMISSION_PORT_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -200,6 +200,10 @@ class Settings:
         settings = dataclasses.replace(settings, **_jwt_settings(env, data_path))
         settings.check_ports()
         settings.tenant_shares(env)
+        try:
+            parse_tenant_map(settings.front_door_env(env).get(TENANTS_ENV, ""))
+        except ValueError as error:
+            raise SystemExit(str(error)) from None
         return settings
 
     def admission_env(self, env: Mapping[str, str] = os.environ) -> dict[str, str]:

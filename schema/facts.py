@@ -33,7 +33,15 @@ from gateway.routes import (
     named,
     refusals,
 )
-from gateway.tenant_shares import CAPACITY_ENV, SHARES_ENV, SHARES_FILE, parse_shares, shares_of
+from gateway.tenant_shares import (
+    CAPACITY_ENV,
+    SHARES_ENV,
+    SHARES_FILE,
+    TENANTS_ENV,
+    parse_shares,
+    parse_tenant_map,
+    shares_of,
+)
 from triton_pod import APP_IMPORT_PATH as FORWARDER_IMPORT_PATH
 from triton_pod.access import ADMIN_HEADER, ADMIN_KEY_NAME, HTTP_ADMIN_HEADER, TOKENS_FILE_ENV
 from triton_pod.admission import PORT_ENV as ADMISSION_PORT_ENV
@@ -445,6 +453,13 @@ def _tenant_share_facts(facts: Facts, deployment: dict[str, Any], files: dict[st
         over = sum(shares.values()) - capacity
     facts.put("tenantSharesOverCapacity", over,
               f"ConfigMap {name} {SHARES_ENV} summed, minus {CAPACITY_ENV}")
+    mapping_source, mapping = _gateway_env_with(deployment, stream, TENANTS_ENV)
+    try:
+        parse_tenant_map(str(mapping.get(TENANTS_ENV, "")))
+        unreadable: list[str] = []
+    except ValueError as error:
+        unreadable = [str(error)]
+    facts.put("tenantMapUnreadable", unreadable, f"ConfigMap {mapping_source} {TENANTS_ENV}")
 
 
 def _admission_facts(facts: Facts, deployment: dict[str, Any], envoy: dict[str, Any],

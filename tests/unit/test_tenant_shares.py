@@ -3,6 +3,8 @@ what a site writes is refused clearly when it cannot work, and read back as writ
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import yaml
 
@@ -41,3 +43,19 @@ def test_a_bucket_gives_the_share_per_second_refilled_at_most_every_50_ms(rate: 
     assert interval_s >= 0.05
     assert bucket["tokens_per_fill"] / interval_s == pytest.approx(rate, rel=1e-4)
     assert bucket["max_tokens"] == rate  # a burst of one second's worth
+
+
+def test_the_tenant_map_is_read_as_the_lua_reads_it() -> None:
+    assert tenant_shares.parse_tenant_map("cms=cert:CN=*,O=CMS; atlas = token:atlas-*;") == [
+        ("cms", "cert:CN=*,O=CMS"), ("atlas", "token:atlas-*")]
+
+
+@pytest.mark.parametrize("text", ["atlas", "=token:x", "at las=token:x", "cms/prod=jwt:*"])
+def test_a_tenant_map_entry_the_lua_would_refuse_is_refused_naming_it(text: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(f"'{text}' is not tenant=pattern")):
+        tenant_shares.parse_tenant_map(text)
+
+
+def test_make_local_refuses_a_bad_tenant_map_before_starting() -> None:
+    with pytest.raises(SystemExit, match="'atlas' is not tenant=pattern"):
+        Settings.from_env({"SONIC_RAY_TENANTS": "cms=token:*;atlas"})
