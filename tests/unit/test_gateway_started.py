@@ -46,11 +46,14 @@ def _run(port: int) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=10, check=False)
 
 
-def _stats(grpc: tuple[int, int], http: tuple[int, int]) -> dict[str, int]:
+def _stats(grpc: tuple[int, int], http: tuple[int, int], answers: int = 1) -> dict[str, int]:
+    """(listed, healthy) per cluster; `answers`: DNS answers Envoy had (update_success)."""
     return {"cluster.triton.membership_healthy": grpc[1],
             "cluster.triton.membership_total": grpc[0],
+            "cluster.triton.update_success": answers,
             "cluster.triton-http.membership_healthy": http[1],
-            "cluster.triton-http.membership_total": http[0]}
+            "cluster.triton-http.membership_total": http[0],
+            "cluster.triton-http.update_success": answers}
 
 
 @pytest.mark.parametrize(("grpc", "http"), [((3, 3), (3, 3)), ((3, 1), (3, 2)), ((0, 0), (0, 0))],
@@ -74,9 +77,16 @@ def test_it_fails_while_the_listed_tritons_are_all_unhealthy(grpc: tuple[int, in
     assert done.returncode == 1 and says in done.stdout, done.stdout + done.stderr
 
 
+def test_it_fails_until_the_cluster_dns_answered() -> None:
+    """No host listed because the first DNS query timed out is not "no Triton is ready"."""
+    with _admin(_stats((0, 0), (0, 0), answers=0)) as port:
+        done = _run(port)
+    assert done.returncode == 1 and "triton: no DNS answer yet" in done.stdout, done.stdout
+
+
 def test_it_fails_without_the_clusters_stats() -> None:
-    with _admin({"cluster.triton.membership_total": 3,
-                 "cluster.triton.membership_healthy": 3}) as port:
+    with _admin({"cluster.triton.membership_total": 3, "cluster.triton.membership_healthy": 3,
+                 "cluster.triton.update_success": 1}) as port:
         done = _run(port)
     assert done.returncode == 1 and "triton-http: no stats" in done.stdout, done.stdout
 
