@@ -576,7 +576,12 @@ def _serve_facts(facts: Facts, spec: dict[str, Any]) -> _Serve:
     facts.put("forwarderApplications", 1 if app else 0, "spec.serveConfigV2 applications")
     min_replicas = _int(auto.get("min_replicas", deployment.get("num_replicas", 1)))
     max_replicas = _int(auto.get("max_replicas", min_replicas))
-    facts.put("serveMinReplicas", min_replicas, f"{deployment_path}.autoscaling_config.min_replicas")
+    # Zero replicas only where something starts one for the first call: the autoscaling
+    # policy reading the gateway's demand (serve/triton_pod/gateway_view.py).
+    policy = auto.get("policy") or {}
+    reads_demand = bool((policy.get("policy_kwargs") or {}).get("gateway_stats_url"))
+    facts.put("serveMinReplicas", max(min_replicas, 1) if reads_demand and min_replicas == 0
+              else min_replicas, f"{deployment_path}.autoscaling_config.min_replicas")
     facts.put("serveMaxMinusMinReplicas", _diff(max_replicas, min_replicas),
               f"{deployment_path}.autoscaling_config.max_replicas")
     facts.put("replicaResources", actor.get("resources") or {},

@@ -1,7 +1,8 @@
 """The custom autoscaling policy that the Serve config names by import path: replicas (one GPU
-pod each) from the Triton queue time each replica reports (triton_metrics.py), and, while a
-new Ray cluster comes up beside the one serving, at least as many as the gateway balances over
-(gateway_hosts.py).
+pod each) from the Triton queue time each replica reports (triton_metrics.py); while a new Ray
+cluster comes up beside the one serving, at least as many as the gateway balances over; and
+from the gateway's demand (gateway_view.py), one at least while calls come and none while
+none do, so that `min_replicas: 0` scales from and to zero.
 
 Serve applies min/max replicas, upscale and downscale delays after this returns. It runs in
 the Serve controller every control loop, so it only does arithmetic.
@@ -14,7 +15,7 @@ import math
 from typing import Any
 
 from .admission import AdmissionSettings, admission, saturation
-from .gateway_hosts import gateway_hosts
+from .gateway_view import gateway_view
 from .triton_metrics import QUEUE_METRIC
 
 logger = logging.getLogger("ray.serve")
@@ -32,6 +33,13 @@ class TritonQueueTimePolicy:
     the new cluster takes the load with as many GPU pods as served it. In a cluster already
     serving, the count is its own: caught up at once.
 
+    With `gateway_stats_url`, the gateway's demand also counts: while calls arrive or are in
+    flight at least one replica (from zero, Serve 2.60 adds it at once, without
+    upscale_delay_s), and with no call since the last poll none (Serve goes down to one after
+    downscale_delay_s of such answers, and from one to zero after downscale_to_zero_delay_s,
+    never below min_replicas): no replica reports anything while none runs, so only the gateway can say
+    that jobs want a GPU pod. Without an answer from the gateway, the queue decision alone.
+
     Each call also decides whether the facility is saturated (admission.py) for the gateway's
     start-of-job gate, with the site's limit from the environment (the `admission` ConfigMap)."""
 
@@ -43,7 +51,7 @@ class TritonQueueTimePolicy:
             raise ValueError("gateway_wait_s must not be negative")
         self.target = float(target_queue_ms_per_exec)
         self.tolerance = float(tolerance)
-        self.gateway = gateway_hosts(gateway_stats_url) if gateway_stats_url else None
+        self.gateway = gateway_view(gateway_stats_url) if gateway_stats_url else None
         self.gateway_wait_s = float(gateway_wait_s)
         # A bad setting fails the deploy here, with its name in the message.
         settings = AdmissionSettings.from_env()
@@ -58,7 +66,13 @@ class TritonQueueTimePolicy:
                 found.get("queue_ms_per_exec"), ctx.current_num_replicas,
                 ctx.capacity_adjusted_max_replicas, self.saturated_queue_ms))
         floor = self._floor(ctx, state)
-        return max(decision, floor), {**state, **found}
+        return max(self._with_demand(decision), floor), {**state, **found}
+
+    def _with_demand(self, decision: int) -> int:
+        demand = self.gateway.demand if self.gateway is not None else None
+        if demand is None:
+            return decision
+        return max(decision, 1) if demand.calls else 0
 
     def _queue_decision(self, ctx: Any) -> tuple[int, dict[str, Any]]:
         current = ctx.current_num_replicas

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import tritonclient.grpc as tc
 import tritonclient.grpc.aio as tc_aio
 from tritonclient.utils import InferenceServerException
 
@@ -27,7 +28,7 @@ from local_stack.harness import (
     serve_config_with,
 )
 from local_stack.polling import until
-from local_stack.triton_inputs import tensor
+from local_stack.triton_inputs import simple_inputs, tensor
 from tests.support.load import DEADLINE_S, Outcome, load, scale_cycle
 
 # Quick autoscaling for a test: Triton's metrics every half second, short delays, and a low
@@ -70,6 +71,33 @@ def test_calls_spread_over_both_tritons(pods: RunningStack) -> None:
     assert all(status == "OK" for _, status, _ in outcomes)
     assert sum(served) == len(outcomes)
     assert min(served) > len(outcomes) / 4, f"unbalanced: {served}"
+
+
+def test_the_autoscaling_policy_sees_the_calls_the_gateway_gets(
+        pods: RunningStack, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The policy's view of the gateway (serve/triton_pod/gateway_view.py) read from this real
+    Envoy's stats: the healthy Tritons, and exactly the calls made on the clients' ports
+    between two polls (its demand, which scales from and to zero)."""
+    from triton_pod.gateway_view import GatewayView
+
+    monkeypatch.setattr(GatewayView, "_poll", lambda self: None)  # polled by hand below
+    view = GatewayView(f"http://localhost:{pods.ports['GATEWAY_METRICS_PORT']}"
+                       "/stats/prometheus")
+    view._poll_once()
+    assert view.count == 2, view.error
+    ones = np.ones((1, 16), dtype=np.int32)
+    client = tc.InferenceServerClient(pods.url("GRPC_PORT"))
+    try:
+        for _ in range(20):
+            client.infer("simple", simple_inputs(ones, ones))
+    finally:
+        client.close()
+    for _ in range(5):
+        with urllib.request.urlopen(f"http://{pods.url('HTTP_PORT')}/v2/health/ready",
+                                    timeout=10) as response:
+            assert response.status == 200
+    view._poll_once()
+    assert view.demand is not None and view.demand.arrived == 25, view.demand
 
 
 def test_many_large_calls_on_one_connection_never_stall(pods: RunningStack) -> None:

@@ -14,7 +14,15 @@ import pytest
 
 from triton_pod.access import TokenCheck
 from triton_pod.autoscaling import TritonQueueTimePolicy
-from triton_pod.gateway_hosts import TRITON_CLUSTER, healthy_hosts
+from triton_pod.gateway_view import (
+    TRITON_CLUSTER,
+    Demand,
+    GatewayView,
+    PodStats,
+    demand_between,
+    healthy_hosts,
+    pod_stats,
+)
 from triton_pod.grpc_forwarding import _forwarded_metadata
 from triton_pod.servicer import TIMEOUT_KEY, _ContextWithDeadline, add_triton_servicer
 from triton_pod.triton_metrics import QUEUE_METRIC, Counters, QueueTime, parse
@@ -91,14 +99,104 @@ def test_the_gateways_healthy_tritons_are_read_from_its_stats() -> None:
 
 
 class _Gateway:
-    def __init__(self, count: int | None) -> None:
-        self.count, self.error = count, "connection refused"
+    def __init__(self, count: int | None, demand: Demand | None = None) -> None:
+        self.count, self.demand, self.error = count, demand, "connection refused"
 
 
-def _with_gateway(count: int | None, wait_s: float = 60.0) -> TritonQueueTimePolicy:
+def _with_gateway(count: int | None, wait_s: float = 60.0,
+                  demand: Demand | None = None) -> TritonQueueTimePolicy:
     policy = TritonQueueTimePolicy(target_queue_ms_per_exec=100, gateway_wait_s=wait_s)
-    policy.gateway = _Gateway(count)  # type: ignore[assignment]
+    policy.gateway = _Gateway(count, demand)  # type: ignore[assignment]
     return policy
+
+
+# Envoy's own Prometheus text for the shipped listeners (gateway/envoy.yaml's stat_prefix):
+# the metrics listener's requests (Prometheus, probes) are no demand.
+ENVOY_DEMAND = """# TYPE envoy_http_downstream_rq_total counter
+envoy_http_downstream_rq_total{envoy_http_conn_manager_prefix="metrics"} 900
+envoy_http_downstream_rq_total{envoy_http_conn_manager_prefix="triton_grpc"} 40
+envoy_http_downstream_rq_total{envoy_http_conn_manager_prefix="triton_http"} 2
+envoy_http_downstream_rq_active{envoy_http_conn_manager_prefix="metrics"} 1
+envoy_http_downstream_rq_active{envoy_http_conn_manager_prefix="triton_grpc"} 3
+envoy_http_downstream_rq_active{envoy_http_conn_manager_prefix="triton_http"} 0
+envoy_cluster_membership_healthy{envoy_cluster_name="triton"} 0
+"""
+
+
+def test_the_gateways_demand_is_read_from_its_client_listeners_only() -> None:
+    from gateway.routes import ROOT
+
+    shipped = (ROOT / "gateway" / "envoy.yaml").read_text()
+    assert all(f"stat_prefix: {name}" in shipped for name in ("triton_grpc", "triton_http"))
+    assert pod_stats(ENVOY_DEMAND) == PodStats(healthy=0, requests=42, active=3)
+
+
+def test_demand_is_summed_over_pods_and_survives_a_restarted_envoy() -> None:
+    before = {"10.0.0.1": PodStats(2, 100, 0), "10.0.0.2": PodStats(2, 50, 0)}
+    # Pod 1 got 5 calls; pod 2's Envoy restarted (its counter went back, 7 since); pod 3 is new.
+    now = {"10.0.0.1": PodStats(2, 105, 1), "10.0.0.2": PodStats(2, 7, 0),
+           "10.0.0.3": PodStats(2, 4, 0)}
+    assert demand_between(before, now) == Demand(arrived=16, in_flight=1)
+    idle = demand_between(now, now)
+    assert idle == Demand(0, 1) and idle.calls  # a call still in flight is demand
+    assert not Demand(0, 0).calls
+
+
+@pytest.mark.parametrize(("current", "values", "demand", "wanted"), [
+    (0, [], Demand(3, 0), 1),          # calls with no Triton: one GPU pod, from zero
+    (0, [], Demand(0, 0), 0),          # none: stay at zero
+    (2, [0.0, 0.0], Demand(0, 0), 0),  # idle: toward zero (Serve's delays and bounds apply)
+    (2, [0.0, 0.0], Demand(0, 1), 1),  # one long stream open: not idle
+    (1, [300.0], Demand(50, 8), 3),    # busy: queue time decides
+    (2, [0.0, 0.0], None, 1),          # no answer from the gateway: queue time alone
+])
+def test_the_gateways_demand_scales_from_and_to_zero(current: int, values: list[float],
+                                                     demand: Demand | None, wanted: int) -> None:
+    policy = _with_gateway(current, demand=demand)
+    serving = {"caught_up": True}  # past an upgrade's floor
+    assert policy(_context(current, values, target=current, state=serving))[0] == wanted
+
+
+def test_the_view_polls_every_gateway_pod(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two Envoys' stats at one port on two loopback addresses, as the headless Service lists
+    two pods: their requests add up between polls, their healthy counts give the largest."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    texts = {"127.0.0.1": ENVOY_DEMAND, "127.0.0.2": ENVOY_DEMAND.replace(
+        'prefix="triton_grpc"} 40', 'prefix="triton_grpc"} 10').replace(
+        'cluster_name="triton"} 0', 'cluster_name="triton"} 2')}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = texts[self.server.server_address[0]].encode()  # type: ignore[index]
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    first = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    port = first.server_address[1]
+    servers = [first, ThreadingHTTPServer(("127.0.0.2", port), Handler)]
+    for server in servers:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setattr(GatewayView, "_poll", lambda self: None)  # polled by hand below
+    monkeypatch.setattr(GatewayView, "_addresses", lambda self: ["127.0.0.1", "127.0.0.2"])
+    try:
+        view = GatewayView(f"http://gateway-metrics:{port}/stats/prometheus")
+        view._poll_once()
+        assert view.count == 2 and view.demand == Demand(0, 6)
+        texts["127.0.0.1"] = texts["127.0.0.1"].replace('prefix="triton_grpc"} 40',
+                                                        'prefix="triton_grpc"} 45')
+        view._poll_once()
+        assert view.demand == Demand(5, 6)
+    finally:
+        for server in servers:
+            server.shutdown()
+            server.server_close()
 
 
 def test_a_new_cluster_holds_the_gateways_count_until_it_runs_as_many() -> None:
