@@ -53,6 +53,7 @@ class TritonQueueTimePolicy:
         self.tolerance = float(tolerance)
         self.gateway = gateway_view(gateway_stats_url) if gateway_stats_url else None
         self.gateway_wait_s = float(gateway_wait_s)
+        self._said_no_demand = False
         # A bad setting fails the deploy here, with its name in the message.
         settings = AdmissionSettings.from_env()
         self.saturated_queue_ms = settings.saturated_queue_ms
@@ -69,9 +70,16 @@ class TritonQueueTimePolicy:
         return max(self._with_demand(decision), floor), {**state, **found}
 
     def _with_demand(self, decision: int) -> int:
-        demand = self.gateway.demand if self.gateway is not None else None
-        if demand is None:
+        if self.gateway is None:
             return decision
+        demand = self.gateway.demand
+        if demand is None:
+            if not self._said_no_demand:
+                logger.warning("TritonQueueTimePolicy: no demand from the gateway (%s); "
+                               "scaling on queue time alone, never to zero", self.gateway.error)
+                self._said_no_demand = True
+            return decision
+        self._said_no_demand = False
         return max(decision, 1) if demand.calls else 0
 
     def _queue_decision(self, ctx: Any) -> tuple[int, dict[str, Any]]:

@@ -157,6 +157,16 @@ def test_the_gateways_demand_scales_from_and_to_zero(current: int, values: list[
     assert policy(_context(current, values, target=current, state=serving))[0] == wanted
 
 
+def test_without_the_gateways_demand_the_policy_says_so_once_and_never_goes_to_zero(
+        caplog: pytest.LogCaptureFixture) -> None:
+    policy = _with_gateway(1, demand=None)
+    serving = {"caught_up": True}
+    with caplog.at_level(logging.WARNING, logger="ray.serve"):
+        for _ in range(3):
+            assert policy(_context(1, [0.0], state=serving))[0] == 1
+    assert caplog.text.count("no demand from the gateway (connection refused)") == 1
+
+
 def test_the_view_polls_every_gateway_pod(monkeypatch: pytest.MonkeyPatch) -> None:
     """Two Envoys' stats at one port on two loopback addresses, as the headless Service lists
     two pods: their requests add up between polls, their healthy counts give the largest."""
