@@ -101,7 +101,13 @@ class TritonQueueTimePolicy:
         now = float(getattr(ctx, "current_time", 0.0))
         since = state.setdefault("floor_since", now)
         seen = self.gateway.count
+        # Never above what this deployment may run: a config whose max_replicas is below the
+        # gateway's count (a site lowering it, in place or in an upgrade) would otherwise hold
+        # a floor it can never reach, and never scale down again.
         floor = max(int(state.get("floor", 0)), seen or 0)
+        most = getattr(ctx, "capacity_adjusted_max_replicas", None)
+        if most is not None:
+            floor = min(floor, int(most))
         state["floor"] = floor
         if seen is None and now - since < self.gateway_wait_s:
             return floor

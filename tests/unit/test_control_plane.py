@@ -224,6 +224,20 @@ def test_a_new_cluster_holds_the_gateways_count_until_it_runs_as_many() -> None:
     assert policy(_context(3, [0.0] * 3, target=3, state=state, now=130.0))[0] == 1
 
 
+def test_the_floor_never_exceeds_what_the_deployment_may_run() -> None:
+    """A config lowering max_replicas to 1 while the gateway still lists 3 Tritons (in place,
+    Serve removes two replicas at once): the floor is 1, reached, so the policy lets go; held
+    at 3 it would never be caught up and keep the deployment from ever scaling down."""
+    policy = _with_gateway(3, demand=Demand(0, 0))
+    ctx = _context(1, [0.0], target=1)
+    ctx.capacity_adjusted_max_replicas = 1
+    decision, state = policy(ctx)
+    assert state["floor"] == 1 and state["caught_up"] and decision == 1
+    ctx = _context(1, [0.0], target=1, state=state)
+    ctx.capacity_adjusted_max_replicas = 1
+    assert policy(ctx)[0] == 0  # idle: toward zero
+
+
 def test_a_cluster_already_serving_is_caught_up_at_once() -> None:
     policy = _with_gateway(2)
     decision, state = policy(_context(2, [20.0, 20.0], target=2, now=0.0))
