@@ -565,21 +565,41 @@ class ClusterStack:
             token = next(line.strip() for line in Path(self.settings.tokens_file).read_text()
                          .splitlines() if line.strip() and not line.startswith("#"))
             metadata = (("authorization", f"Bearer {token}"),)
-        channel = grpc.insecure_channel(f"{SERVICE_IP}:8001")
+        ports = self.built.services["triton-grpc"]
+        channels = {SERVICE_IP: grpc.insecure_channel(f"{SERVICE_IP}:8001")}
 
-        def through_the_service() -> object:
-            if stop.is_set():
-                raise SystemExit("stopped while starting")
-            answer = server_ready(8001, metadata, channel)
+        def answers(ip: str, grpc_port: int, http_port: int) -> object:
+            if ip not in channels:
+                channels[ip] = grpc.insecure_channel(f"{ip}:{grpc_port}")
+            answer = server_ready(grpc_port, metadata, channels[ip])
             if answer is True:
-                answer = http_ready(8000, metadata, host=SERVICE_IP)
+                answer = http_ready(http_port, metadata, host=ip)
             return answer
 
+        def through_the_service() -> object:
+            # The Service IP balances each new connection over the gateway pods, and each
+            # Envoy learns the Tritons from the DNS on its own clock: ready means every ready
+            # gateway pod answers, or a client's first calls could meet one that does not yet.
+            if stop.is_set():
+                raise SystemExit("stopped while starting")
+            answer = answers(SERVICE_IP, 8001, 8000)
+            if answer is not True:
+                return answer
+            with self._lock:
+                gateways = sorted((n, p.ip) for n, p in self.pods.items()
+                                  if n.startswith("gateway-") and p.ready)
+            for name, ip in gateways:
+                answer = answers(ip, ports[8001], ports[8000])
+                if answer is not True:
+                    return f"{name} at {ip}: {answer}"
+            return True
+
         try:
-            until("ServerReady through the Service IP", through_the_service, READY_TIMEOUT_S,
-                  every_s=0.5, note=say)
+            until("ServerReady through the Service IP and every gateway pod",
+                  through_the_service, READY_TIMEOUT_S, every_s=0.5, note=say)
         finally:
-            channel.close()
+            for channel in channels.values():
+                channel.close()
         say(f"{READY} grpc {SERVICE_IP}:8001 http {SERVICE_IP}:8000 pods {self.pods_dir}")
 
     def stop(self) -> None:

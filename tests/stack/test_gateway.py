@@ -198,6 +198,43 @@ def test_pod_removed_as_a_scale_down_loses_no_call(pods: RunningStack) -> None:
 
 
 @pytest.mark.disruptive
+def test_tritons_that_join_when_none_is_healthy_get_calls_once_envoy_lists_them_healthy(
+        pods: RunningStack) -> None:
+    """As when the first GPU pod joins (scale from zero, every Triton back after an outage): the
+    discovery adds Tritons while none is healthy, their first check passes, and from the moment
+    Envoy's admin interface (what the gateway's startupProbe, the stacks' ready lines and the
+    tests read) lists one healthy, calls reach it. Envoy merges a health change that follows
+    another within `update_merge_window` (1 s unless set) before its workers see it: they
+    answered "no Triton is ready" for up to a second while the admin said healthy."""
+    listed = pods.process.workdir() / "gateway" / "endpoints.json"
+    shipped = listed.read_bytes()
+    admin = int(pods.ports["GATEWAY_ADMIN_PORT"])
+    client = tc.InferenceServerClient(pods.url("GRPC_PORT"))
+    answers: list[str] = []
+    try:
+        gateway.write_endpoints(listed, [])
+        until("Envoy to list no Triton", lambda: gateway.upstream_ports(admin) == set(), 30,
+              every_s=0.05)
+        staged = listed.with_name(listed.name + ".new")
+        staged.write_bytes(shipped)
+        os.replace(staged, listed)
+        until("Envoy to list a Triton healthy",
+              lambda: bool(gateway.upstream_ports(admin, healthy_only=True)), 30, every_s=0.005)
+        for _ in range(5):
+            try:
+                answers.append(str(client.is_server_ready()))
+            except InferenceServerException as error:
+                answers.append(str(error))
+    finally:
+        client.close()
+        if listed.read_bytes() != shipped:
+            staged = listed.with_name(listed.name + ".new")
+            staged.write_bytes(shipped)
+            os.replace(staged, listed)
+    assert answers == ["True"] * 5, answers
+
+
+@pytest.mark.disruptive
 def test_envoy_killed_is_restarted_with_both_tritons(pods: RunningStack) -> None:
     """As the kubelet restarts the gateway's container: the new Envoy reads the current
     discovery and serves both Tritons again."""
