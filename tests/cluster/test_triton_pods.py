@@ -20,7 +20,8 @@ from local_stack.cluster import manifests
 from local_stack.triton_inputs import simple_inputs
 from tests.support.cluster import OWN_CONNECTION, Cluster, under_load, until
 
-# The gateway's answer when no Triton is ready (gateway/envoy.yaml, local_reply_config).
+# The gateway's answer when no Triton is ready (gateway/envoy.yaml's local reply, in the words
+# of gateway/client-checks.lua).
 NO_TRITON = "no Triton is ready behind this endpoint"
 
 
@@ -29,10 +30,16 @@ def _tritons(cluster: Cluster) -> list[str]:
     return cluster.settled(3)
 
 
+# Envoy's two clusters of the same pods, each with its own health checks (gateway/envoy.yaml):
+# a Triton goes out of (or back into) the gRPC and the HTTP rotation each at its own moment.
+CLUSTERS = ("triton", "triton-http")
+
+
 def _host_flags(cluster: Cluster, pod_ip: str) -> list[list[str]]:
-    """The health flags each ready gateway pod's Envoy has on the Triton at `pod_ip`."""
-    return [cluster.envoy_hosts(gateway).get(pod_ip, ["(not listed)"])
-            for gateway in cluster.ready_pods("gateway")]
+    """The health flags each ready gateway pod's Envoy has on the Triton at `pod_ip`, in each
+    of its Triton clusters."""
+    return [cluster.envoy_hosts(gateway, name).get(pod_ip, ["(not listed)"])
+            for gateway in cluster.ready_pods("gateway") for name in CLUSTERS]
 
 
 def _healthy_everywhere(cluster: Cluster, ips: list[str]) -> object:
@@ -54,8 +61,7 @@ def _stopped(cluster: Cluster, pods: list[str]) -> Iterator[None]:
         ips = [cluster.pod_ip(pod) for pod in pods]
         until("the Tritons to be healthy again", lambda: _healthy_everywhere(cluster, ips), 60,
               every_s=0.5)
-        # The workers follow the main thread's flags a moment later (CI saw the next test's
-        # job start refused as "no Triton is ready" just after): until calls pass again.
+        # And until calls pass again, as the next test expects.
         until("calls to pass again", lambda: set(_quick_calls(cluster, 4)) == {"OK"} or "not yet",
               30, every_s=0.2)
 
@@ -84,8 +90,8 @@ def _quick_calls(cluster: Cluster, count: int = 8) -> list[str]:
 
 
 def _until_the_gateways_act(cluster: Cluster, ips: list[str], expect: str) -> None:
-    """Envoy's main thread flags a host first; its workers follow within a moment: polls
-    until the flags are there and calls on new connections all end as `expect`."""
+    """Polls until the flags are there in both clusters and calls on new connections all end
+    as `expect`."""
     until("the gateways to see the Tritons unhealthy",
           lambda: _unhealthy_everywhere(cluster, ips), 30, every_s=0.3)
 
