@@ -12,6 +12,7 @@ from typing import Any
 import grpc
 import pytest
 
+from tests.support.stand_in_http import serving
 from triton_pod.access import TokenCheck
 from triton_pod.autoscaling import TritonQueueTimePolicy
 from triton_pod.gateway_view import (
@@ -170,32 +171,13 @@ def test_without_the_gateways_demand_the_policy_says_so_once_and_never_goes_to_z
 def test_the_view_polls_every_gateway_pod(monkeypatch: pytest.MonkeyPatch) -> None:
     """Two Envoys' stats at one port on two loopback addresses, as the headless Service lists
     two pods: their requests add up between polls, their healthy counts give the largest."""
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
     texts = {"127.0.0.1": ENVOY_DEMAND, "127.0.0.2": ENVOY_DEMAND.replace(
         'prefix="triton_grpc"} 40', 'prefix="triton_grpc"} 10').replace(
         'cluster_name="triton"} 0', 'cluster_name="triton"} 2')}
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            body = texts[self.server.server_address[0]].encode()  # type: ignore[index]
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    first = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    port = first.server_address[1]
-    servers = [first, ThreadingHTTPServer(("127.0.0.2", port), Handler)]
-    for server in servers:
-        threading.Thread(target=server.serve_forever, daemon=True).start()
     monkeypatch.setattr(GatewayView, "_poll", lambda self: None)  # polled by hand below
     monkeypatch.setattr(GatewayView, "_addresses", lambda self: ["127.0.0.1", "127.0.0.2"])
-    try:
+    with serving(lambda address, _: texts[address].encode(),
+                 ("127.0.0.1", "127.0.0.2")) as port:
         view = GatewayView(f"http://gateway-metrics:{port}/stats/prometheus")
         view._poll_once()
         assert view.count == 2 and view.demand == Demand(0, 6)
@@ -203,10 +185,6 @@ def test_the_view_polls_every_gateway_pod(monkeypatch: pytest.MonkeyPatch) -> No
                                                         'prefix="triton_grpc"} 45')
         view._poll_once()
         assert view.demand == Demand(5, 6)
-    finally:
-        for server in servers:
-            server.shutdown()
-            server.server_close()
 
 
 def test_a_new_cluster_holds_the_gateways_count_until_it_runs_as_many() -> None:

@@ -5,40 +5,27 @@ one, and says which cluster holds it back. A stand-in Envoy: the thing tested is
 from __future__ import annotations
 
 import subprocess
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+
+from tests.support.stand_in_http import serving
 
 STARTED = Path(__file__).resolve().parents[2] / "gateway" / "started.sh"
 
 
 @contextmanager
 def _admin(stats: dict[str, int]) -> Iterator[int]:
-    body = "".join(f"{name}: {value}\n" for name, value in stats.items()).encode()
+    text = "".join(f"{name}: {value}\n" for name, value in stats.items()).encode()
 
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            assert self.path.startswith("/stats?filter="), self.path
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+    def body(_: str, path: str) -> bytes:
+        assert path.startswith("/stats?filter="), path
+        return text
 
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield server.server_address[1]
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serving(body) as port:
+        yield port
 
 
 def _run(port: int) -> subprocess.CompletedProcess[str]:
