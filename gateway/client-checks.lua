@@ -14,6 +14,12 @@
 --   no Triton is ready, or while the control plane says the GPUs are saturated
 --   (serve/triton_pod/admission.py, asked at most once a second per worker; an answer older
 --   than SONIC_RAY_GATE_STALE_S, or none, counts as SONIC_RAY_GATE_WHEN_STALE says).
+-- * No Triton ready (scaling from zero, every GPU pod failing): a job start (RepositoryIndex,
+--   ServerReady, ModelReady) gets the gate's status at once, so that the job skips this
+--   server; any other call UNAVAILABLE / 503 with a retry hint (grpc-retry-pushback-ms,
+--   Retry-After) and words saying whether a GPU pod is on its way: from the control plane's
+--   answer (how long the deployment has wanted more pods than run) and the site's
+--   SONIC_RAY_GPU_POD_START_S, roughly when it will be ready.
 -- * Backpressure: Triton's own refusal of a call its queue cannot hold (a model's
 --   dynamic_batching.default_queue_policy with max_queue_size and timeout_action REJECT) goes
 --   to the client as RESOURCE_EXHAUSTED / 429 with a retry hint (grpc-retry-pushback-ms,
@@ -62,15 +68,26 @@ if WHEN_STALE ~= "open" and WHEN_STALE ~= "closed" then
 end
 local STALE_S = number_setting("SONIC_RAY_GATE_STALE_S", "10")
 local RETRY_AFTER_S = number_setting("SONIC_RAY_RETRY_AFTER_S", "2")
+local GPU_POD_START_S = number_setting("SONIC_RAY_GPU_POD_START_S", "300")
 local JOB_START_GRPC = "/inference.GRPCInferenceService/RepositoryIndex"
 local JOB_START_HTTP = "/v2/repository/index"
+-- What a job asks when it starts, besides RepositoryIndex: whether the server and its model
+-- are ready.
+local READY_GRPC = {["/inference.GRPCInferenceService/ServerReady"] = true,
+                    ["/inference.GRPCInferenceService/ModelReady"] = true}
+local function is_ready_http(request_path)
+  return request_path == "/v2/health/ready" or
+         (request_path:match("^/v2/models/[^/?]+/ready$") ~= nil) or
+         (request_path:match("^/v2/models/[^/?]+/versions/[^/?]+/ready$") ~= nil)
+end
 -- Triton's words when a model's queue policy refuses a call; the gateway's own when it has no
 -- Triton to send a call to (envoy.yaml, local_reply_config).
 local QUEUE_FULL = "Exceeds maximum queue size"
 local NO_TRITON = "no Triton is ready"
 local REFRESH_S = 1
--- The control plane's last answer: its state, its reason and when it was made (os.time()).
-local gate = {state = nil, reason = "", made_at = nil}
+-- The control plane's last answer: its state, its reason, when it was made (os.time()) and
+-- for how long GPU pods had then been on their way (nil: none was missing).
+local gate = {state = nil, reason = "", made_at = nil, starting_for_s = nil}
 local asked_at = -REFRESH_S
 local asking_since = nil
 
@@ -90,6 +107,7 @@ local function ask_control_plane(handle, now)
   if (state == "open" or state == "closed") and age ~= nil then
     gate.state, gate.made_at = state, now - age
     gate.reason = body:match('"reason": *"([^"]*)"') or ""
+    gate.starting_for_s = tonumber(body:match('"starting_for_s": *([%d%.]+)') or "")
   end
 end
 
@@ -108,9 +126,24 @@ local function gate_closed(handle)
   return nil
 end
 
-local function job_start_refusal(reason)
+local function job_start_refusal(reason, retry_s)
   return "no new jobs here now: " .. reason .. " (use another server, or retry in " ..
-         RETRY_AFTER_S .. " s)"
+         (retry_s or RETRY_AFTER_S) .. " s)"
+end
+
+-- With no Triton ready: whether a GPU pod is on its way, and in how many seconds to retry.
+local function no_triton_now(handle)
+  local now = os.time()
+  ask_control_plane(handle, now)
+  if gate.made_at ~= nil and now - gate.made_at <= STALE_S and gate.starting_for_s ~= nil then
+    local waited = math.floor(gate.starting_for_s + now - gate.made_at)
+    local left = math.max(RETRY_AFTER_S, math.ceil(GPU_POD_START_S - waited))
+    return "no Triton is ready behind this endpoint: a GPU pod is starting (asked for " ..
+           waited .. " s ago; one takes about " .. GPU_POD_START_S .. " s here)", left
+  end
+  return "no Triton is ready behind this endpoint, and no GPU pod is starting (each is " ..
+         "draining or failing its health check, or the control plane has not yet seen " ..
+         "these calls)", RETRY_AFTER_S
 end
 
 local function refuse_job_start(handle, grpc, reason)
@@ -391,8 +424,13 @@ function envoy_on_request(handle)
       refuse_job_start(handle, grpc, reason)
       return
     end
-    -- No Triton ready shows only in the answer (envoy.yaml's local reply): marked for it.
-    handle:streamInfo():dynamicMetadata():set("sonic-ray", "job-start", grpc and "grpc" or "http")
+  end
+  -- No Triton ready shows only in the answer (envoy.yaml's local reply): job starts are
+  -- marked for it.
+  if grpc or READY_GRPC[request_path] then
+    handle:streamInfo():dynamicMetadata():set("sonic-ray", "job-start", "grpc")
+  elseif request_path == JOB_START_HTTP or is_ready_http(request_path or "") then
+    handle:streamInfo():dynamicMetadata():set("sonic-ray", "job-start", "http")
   end
 end
 
@@ -413,21 +451,40 @@ function envoy_on_response(handle)
       headers:replace("grpc-message", message .. "; retry in " .. RETRY_AFTER_S .. " s")
       headers:add("grpc-retry-pushback-ms", tostring(math.floor(RETRY_AFTER_S * 1000)))
     elseif message:find(NO_TRITON, 1, true) then
+      -- Asking the control plane may wait: the headers are asked for again after.
+      local why, retry_s = no_triton_now(handle)
+      local answered = handle:headers()
       local meta = handle:streamInfo():dynamicMetadata():get("sonic-ray")
       if meta ~= nil and meta["job-start"] == "grpc" then
-        headers:replace("grpc-status", tostring(GATE_STATUS))
-        headers:replace("grpc-message", job_start_refusal((message:gsub("; retry later$", ""))))
+        answered:replace("grpc-status", tostring(GATE_STATUS))
+        answered:replace("grpc-message", job_start_refusal(why, retry_s))
+      else
+        answered:replace("grpc-message", why .. "; retry in about " .. retry_s .. " s")
       end
+      answered:add("grpc-retry-pushback-ms", tostring(math.floor(retry_s * 1000)))
     end
   elseif grpc_status == nil and headers:get(":status") == "503" then
     if (headers:get("content-type") or ""):sub(1, 16) == "application/grpc" then return end
     -- Waiting for the body ends the headers object's scope: ask for them again after.
     local body = handle:body()
-    if body ~= nil and body:length() < 4096 and
-       body:getBytes(0, body:length()):find(QUEUE_FULL, 1, true) then
+    local text = body ~= nil and body:length() < 4096 and body:getBytes(0, body:length()) or ""
+    if text:find(QUEUE_FULL, 1, true) then
       local answered = handle:headers()
       answered:replace(":status", "429")
       answered:add("retry-after", tostring(math.ceil(RETRY_AFTER_S)))
+    elseif text:find(NO_TRITON, 1, true) then
+      local why, retry_s = no_triton_now(handle)
+      local meta = handle:streamInfo():dynamicMetadata():get("sonic-ray")
+      local message = why .. "; retry in about " .. retry_s .. " s"
+      if meta ~= nil and meta["job-start"] == "http" then
+        message = job_start_refusal(why, retry_s)
+      end
+      -- Triton's error shape, as envoy.yaml's local reply writes it (no quote in the words).
+      local error_body = '{"error":"' .. message .. '"}'
+      handle:body():setBytes(error_body)
+      local answered = handle:headers()
+      answered:replace("content-length", tostring(#error_body))
+      answered:replace("retry-after", tostring(math.ceil(retry_s)))
     end
   end
 end

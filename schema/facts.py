@@ -391,7 +391,8 @@ def _tls_facts(facts: Facts, deployment: dict[str, Any], envoy: dict[str, Any],
 
 # Admission's settings that client-checks.lua reads (gateway/admission.env), by fact name.
 GATE_SETTINGS = {"gateStatus": "SONIC_RAY_GATE_STATUS", "whenStale": "SONIC_RAY_GATE_WHEN_STALE",
-                 "staleS": "SONIC_RAY_GATE_STALE_S", "retryAfterS": "SONIC_RAY_RETRY_AFTER_S"}
+                 "staleS": "SONIC_RAY_GATE_STALE_S", "retryAfterS": "SONIC_RAY_RETRY_AFTER_S",
+                 "gpuPodStartS": "SONIC_RAY_GPU_POD_START_S"}
 # The autoscaling target when the Serve config leaves it out: the policy's own default.
 TARGET_DEFAULT = inspect.signature(TritonQueueTimePolicy).parameters[
     "target_queue_ms_per_exec"].default

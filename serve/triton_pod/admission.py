@@ -7,7 +7,10 @@ site's hard limit while no more replicas may be added (max_replicas). The autosc
 (autoscaling.py) decides it each control loop; this module serves the latest decision with its
 age on the head pod's `admission` port, so a gateway can tell a stale answer (the controller
 gone, the policy no longer called) from a fresh one. "No Triton ready" needs no signal from
-here: the gateway sees it itself.
+here: the gateway sees it itself; what it cannot see is whether a GPU pod is on its way, so
+the answer also says for how long the deployment has wanted more replicas than run
+(`starting_for_s`, null while none is missing), from which the gateway's "no Triton is ready"
+tells a client roughly when to retry.
 
 The settings come from the `admission` ConfigMap (gateway/admission.env; a site merges its
 own in its overlay), which both the gateway and the Ray head read as environment variables.
@@ -78,6 +81,7 @@ class Admission:
         self.port = port
         self._lock = threading.Lock()
         self._reason: str | None = None
+        self._starting_for_s: float | None = None
         self._at: float | None = None
         self.error: str | None = None
         try:
@@ -90,20 +94,24 @@ class Admission:
         server.daemon_threads = True
         threading.Thread(target=server.serve_forever, name="admission", daemon=True).start()
 
-    def decide(self, reason: str | None) -> None:
+    def decide(self, reason: str | None, starting_for_s: float | None = None) -> None:
+        """`reason`: why the facility is saturated, or None; `starting_for_s`: how long the
+        deployment has wanted more GPU pods than run, or None while none is missing."""
         with self._lock:
             if reason != self._reason:
                 logger.info("admission: %s", reason or "open: the GPUs have room")
             self._reason, self._at = reason, time.monotonic()
+            self._starting_for_s = starting_for_s
 
     def answer(self) -> dict[str, object]:
         with self._lock:
-            reason, at = self._reason, self._at
+            reason, at, starting = self._reason, self._at, self._starting_for_s
         if at is None:
             return {"state": "unknown", "reason": "the autoscaling policy has not run yet",
-                    "age_s": None}
+                    "age_s": None, "starting_for_s": None}
         return {"state": "closed" if reason else "open", "reason": reason or "",
-                "age_s": round(time.monotonic() - at, 3)}
+                "age_s": round(time.monotonic() - at, 3),
+                "starting_for_s": None if starting is None else round(starting, 1)}
 
     def _handler(self) -> type[BaseHTTPRequestHandler]:
         admission = self

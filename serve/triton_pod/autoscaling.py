@@ -21,6 +21,17 @@ from .triton_metrics import QUEUE_METRIC
 logger = logging.getLogger("ray.serve")
 
 
+def starting_for_s(ctx: Any, state: dict[str, Any]) -> float | None:
+    """How long the deployment has wanted more replicas than run (GPU pods on their way: the
+    Ray autoscaler adding a node, a Triton loading its models), or None while none is missing;
+    kept in the policy's state between calls."""
+    now = float(getattr(ctx, "current_time", 0.0))
+    if ctx.target_num_replicas <= ctx.current_num_replicas:
+        state.pop("starting_since", None)
+        return None
+    return now - float(state.setdefault("starting_since", now))
+
+
 class TritonQueueTimePolicy:
     """Kubernetes' HPA rule on queue milliseconds per execution: desired replicas =
     ceil(current x observed / target), left alone within `tolerance` of the target.
@@ -41,7 +52,8 @@ class TritonQueueTimePolicy:
     that jobs want a GPU pod. Without an answer from the gateway, the queue decision alone.
 
     Each call also decides whether the facility is saturated (admission.py) for the gateway's
-    start-of-job gate, with the site's limit from the environment (the `admission` ConfigMap)."""
+    start-of-job gate, with the site's limit from the environment (the `admission` ConfigMap),
+    and says for how long GPU pods have been on their way (the gateway's retry hint)."""
 
     def __init__(self, target_queue_ms_per_exec: float = 100.0, tolerance: float = 0.1,
                  gateway_stats_url: str | None = None, gateway_wait_s: float = 60.0) -> None:
@@ -65,7 +77,8 @@ class TritonQueueTimePolicy:
         if self.admission is not None:
             self.admission.decide(saturation(
                 found.get("queue_ms_per_exec"), ctx.current_num_replicas,
-                ctx.capacity_adjusted_max_replicas, self.saturated_queue_ms))
+                ctx.capacity_adjusted_max_replicas, self.saturated_queue_ms),
+                starting_for_s(ctx, state))
         floor = self._floor(ctx, state)
         return max(self._with_demand(decision), floor), {**state, **found}
 

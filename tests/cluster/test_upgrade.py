@@ -33,7 +33,8 @@ NEW_ONLY = "simple_new"
 SWITCHED = (r"\[cluster\] upgrade: KubeRay's Services select (\S+); Serve replicas running: "
             r"(\d+) there, (\d+) in ")
 DONE = r"\[cluster\] upgrade: done; cluster (\S+) deleted$"
-# The gateway's answer when no Triton is healthy (gateway/envoy.yaml, local_reply_config).
+# The gateway's answer when no Triton is healthy (gateway/envoy.yaml's local reply, in the words
+# of gateway/client-checks.lua).
 NO_TRITON = "no Triton is ready behind this endpoint"
 AIO_STREAM_END = "INTERNAL: Internal error from Core"
 # Each caller's pause after a unary call. Both clusters' pods share this machine's 2 cores,

@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import pytest
+from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from bench.overload import (
     DEADLINE_S,
@@ -109,10 +112,74 @@ def test_no_triton_ready_closes_the_gate_and_one_ready_opens_it(saturable: Runni
         answer = gate_answer(url)
         assert answer.status == "StatusCode.CANCELLED" and answer.took_s < 0.05, answer
         assert "no Triton is ready" in answer.message
+        grpc_answers = _grpc_answers(url)
+        http_answers = _http_answers(saturable.url("HTTP_PORT"))
     finally:
         for pid in pids:
             os.kill(pid, signal.SIGCONT)
     until("the gate to open", lambda: gate_is(url, "OK"), 15)
+    # The other job starts skip this server as RepositoryIndex does; any other call is told to
+    # retry, and when (docs/admission.md, "No Triton ready").
+    for rpc in ("ServerReady", "ModelReady"):
+        code, message, _, took = grpc_answers[rpc]
+        assert code == "CANCELLED" and "no Triton is ready" in message and took < 0.25, (
+            rpc, grpc_answers[rpc])
+    code, message, trailers, took = grpc_answers["ModelInfer"]
+    hint = NO_TRITON_HINT.search(message)
+    assert code == "UNAVAILABLE" and hint and took < 0.25, grpc_answers["ModelInfer"]
+    assert trailers.get("grpc-retry-pushback-ms") == str(int(hint["retry_s"]) * 1000), trailers
+    (ready_status, ready_retry, ready_words), (status, retry_after, words) = (
+        http_answers["/v2/health/ready"], http_answers[f"/v2/models/{MODEL}/infer"])
+    assert ready_status == 503 and ready_retry and "no new jobs here now" in ready_words, (
+        http_answers)
+    hint = NO_TRITON_HINT.search(words)
+    assert status == 503 and hint and retry_after == hint["retry_s"], http_answers
+
+
+# The gateway's words for a call while no Triton is ready (gateway/client-checks.lua).
+NO_TRITON_HINT = re.compile(
+    r"^no Triton is ready behind this endpoint(: a GPU pod is starting \(asked for \d+ s ago; "
+    r"one takes about \d+ s here\)|, and no GPU pod is starting \(.+\)); retry in about "
+    r"(?P<retry_s>\d+) s$")
+
+
+def _grpc_answers(url: str) -> dict[str, tuple[str, str, dict[str, str], float]]:
+    """How ServerReady, ModelReady and an inference end: status name, message, trailers, time."""
+    answers: dict[str, tuple[str, str, dict[str, str], float]] = {}
+    with grpc.insecure_channel(url) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        calls: dict[str, Callable[[], object]] = {
+            "ServerReady": lambda: stub.ServerReady(service_pb2.ServerReadyRequest(), timeout=5),
+            "ModelReady": lambda: stub.ModelReady(
+                service_pb2.ModelReadyRequest(name=MODEL), timeout=5),
+            "ModelInfer": lambda: stub.ModelInfer(
+                service_pb2.ModelInferRequest(model_name=MODEL), timeout=5),
+        }
+        for rpc, call in calls.items():
+            started = time.monotonic()
+            try:
+                call()
+                answers[rpc] = ("OK", "", {}, time.monotonic() - started)
+            except grpc.RpcError as error:
+                trailers = {k: str(v) for k, v in (error.trailing_metadata() or ())}
+                answers[rpc] = (error.code().name, error.details() or "", trailers,
+                                time.monotonic() - started)
+    return answers
+
+
+def _http_answers(url: str) -> dict[str, tuple[int, str | None, str]]:
+    """The HTTP status, Retry-After and error words of a readiness question and an
+    inference."""
+    answers: dict[str, tuple[int, str | None, str]] = {}
+    for path, body in (("/v2/health/ready", None), (f"/v2/models/{MODEL}/infer", b"{}")):
+        request = urllib.request.Request(f"http://{url}{path}", data=body)
+        try:
+            with urllib.request.urlopen(request, timeout=5) as response:
+                answers[path] = (response.status, response.headers.get("retry-after"), "")
+        except urllib.error.HTTPError as error:
+            answers[path] = (error.code, error.headers.get("retry-after"),
+                             str(json.loads(error.read()).get("error")))
+    return answers
 
 
 def test_stale_signal_closes_the_gate_by_this_sites_rule(saturable: RunningStack) -> None:

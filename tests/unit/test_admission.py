@@ -110,3 +110,31 @@ def test_the_policy_decides_the_gate_each_loop(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setenv(SATURATED_ENV, "soon")
     with pytest.raises(ValueError, match=SATURATED_ENV):
         TritonQueueTimePolicy()
+
+
+def test_the_answer_says_for_how_long_gpu_pods_have_been_on_their_way(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the gateway's "no Triton is ready" reads to say roughly when to retry: from the
+    control loop that first wants more replicas than run, until as many run."""
+    (port,) = free_ports(1)
+    monkeypatch.setenv(PORT_ENV, str(port))
+    policy = TritonQueueTimePolicy()
+
+    def loop(current: int, target: int, now: float, state: dict[str, Any]) -> dict[str, Any]:
+        ctx = SimpleNamespace(current_num_replicas=current, target_num_replicas=target,
+                              capacity_adjusted_max_replicas=4, aggregated_metrics={},
+                              policy_state=state, current_time=now)
+        return policy(ctx)[1]
+
+    state = loop(0, 0, 100.0, {})
+    assert _get(port)["starting_for_s"] is None
+    state = loop(0, 1, 130.0, state)  # from zero: Serve wants one, none runs
+    assert _get(port)["starting_for_s"] == 0
+    state = loop(0, 1, 145.5, state)
+    assert _get(port)["starting_for_s"] == 15.5
+    state = loop(1, 2, 150.0, state)  # still one missing: counted from the first
+    assert _get(port)["starting_for_s"] == 20
+    state = loop(2, 2, 160.0, state)
+    assert _get(port)["starting_for_s"] is None and "starting_since" not in state
+    loop(2, 3, 170.0, state)  # a new wait counts from its own start
+    assert _get(port)["starting_for_s"] == 0
