@@ -11,7 +11,7 @@ KUBECTLS := $(VENV)/bin/kubectl $(wildcard /usr/bin/kubectl)
 # schema/check.py (DEFAULT_KUBERNETES_VERSION).
 CHECK := $(PY) -m schema.check
 
-.PHONY: venv test unit lint local cluster cluster-tools observe bench validate check check-cluster-crd schemas gateway-config observability generate prometheus lock clean
+.PHONY: venv test unit lint local cluster cluster-tools observe bench validate check check-cluster-crd prewarm schemas gateway-config observability generate prometheus lock clean
 
 venv: $(VENV)/.installed
 
@@ -68,6 +68,16 @@ check-cluster-crd: venv
 	  echo "$$overlay against $(CRD)"; \
 	  $(VENV)/bin/kubectl kustomize $$overlay | $(CHECK) --crd $(CRD) -; \
 	done
+
+# At least PODS GPU pods until UNTIL (ISO 8601 with its zone), ahead of a campaign, undone when
+# UNTIL passes (docs/operations.md, "Pre-warming"): OVERLAY=overlays/<site> applies the
+# ConfigMap `prewarm` with kubectl (DRY_RUN=1 prints it), DIR=<a local stack's pre-warm
+# directory> writes its files (SERVE_CONFIG for the bounds when the stack runs another).
+prewarm: venv
+	@test -n "$(PODS)" -a -n "$(UNTIL)" -a -n "$(OVERLAY)$(DIR)" || { echo "usage: make prewarm PODS=<n> UNTIL=<ISO 8601 time> (OVERLAY=overlays/<site> [DRY_RUN=1] | DIR=<pre-warm directory> [SERVE_CONFIG=<file>])"; exit 2; }
+	@$(PY) -m tools.prewarm --pods "$(PODS)" --until "$(UNTIL)" \
+	  $(if $(OVERLAY),--overlay "$(OVERLAY)",--dir "$(DIR)") \
+	  $(if $(SERVE_CONFIG),--serve-config "$(SERVE_CONFIG)") $(if $(filter-out 0,$(DRY_RUN)),--dry-run)
 
 # Regenerates the strict RayService schema from KubeRay's CRD (kept in schema/crd; CRD=<file or
 # URL> for another) and base/openapi.json, the merge keys the kustomizations' patches use.

@@ -199,8 +199,10 @@ def running_stack(env: dict[str, str], wrapper: Sequence[str] = (),
     ports = stack_ports_env()
     # Ray's token: the stack turns Ray's token authentication on; the tests call its dashboard.
     token = secrets.token_hex(32)
+    # Its pre-warm directory named, so that a redeploy points the policy at the same one.
+    prewarm = Path(tempfile.mkdtemp(prefix="sonic-ray-prewarm-"))
     process = StackProcess({**ports, "MODEL_REPOSITORY": str(repo), "RAY_AUTH_TOKEN": token,
-                            **env}, wrapper)
+                            "PREWARM_DIR": str(prewarm), **env}, wrapper)
     try:
         process.wait_for_line(READY_LINE, timeout_s=420)
         process.wait_for_line(ready_pattern, timeout_s=300)
@@ -208,6 +210,7 @@ def running_stack(env: dict[str, str], wrapper: Sequence[str] = (),
     finally:
         process.stop()
         shutil.rmtree(repo, ignore_errors=True)
+        shutil.rmtree(prewarm, ignore_errors=True)
 
 
 def serve_config_with(directory: Path, deployment: dict[str, Any] | None = None,

@@ -134,6 +134,12 @@ def local_serve_config(settings: Settings, path: Path | None = None) -> dict[str
                                                    f"{settings.gateway_metrics_port}/stats/prometheus")
                 else:
                     del kwargs["gateway_stats_url"]
+            if isinstance(kwargs, dict) and "prewarm_dir" in kwargs:
+                if settings.prewarm_dir is None:
+                    raise ValueError("the Serve config reads a pre-warm request "
+                                     "(policy_kwargs.prewarm_dir): set PREWARM_DIR")
+                # The stack's directory in place of the head's ConfigMap mount.
+                kwargs["prewarm_dir"] = str(settings.prewarm_dir)
     return config
 
 

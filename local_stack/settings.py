@@ -131,6 +131,9 @@ class Settings:
     # Token checks against a JWKS file (JWKS_FILE, JWT_ISSUER, JWT_AUDIENCE): None when off.
     jwt: JwtSettings | None = None
     jwks_file: Path | None = None
+    # Where the autoscaling policy reads an operator's pre-warm request (PREWARM_DIR; the
+    # cluster's ConfigMap `prewarm`, serve/triton_pod/prewarm.py): the stack's own when unset.
+    prewarm_dir: Path | None = None
 
     def triton(self, index: int) -> TritonPorts:
         """The ports of the Triton of simulated pod `index`."""
@@ -191,6 +194,7 @@ class Settings:
             ray_token=env.get("RAY_AUTH_TOKEN") or secrets.token_hex(32),
             tls=switch_env(env, "TLS"),
             mtls=switch_env(env, "MTLS"),
+            prewarm_dir=Path(env["PREWARM_DIR"]).resolve() if env.get("PREWARM_DIR") else None,
         )
         if settings.mtls and not settings.tls:
             raise SystemExit("MTLS=1 asks clients for certificates over TLS: add TLS=1")

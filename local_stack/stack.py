@@ -8,7 +8,8 @@ gateway path), SERVE_HTTP_PORT (9080, gateway path), GATEWAY_METRICS_PORT (9902)
 (9901, loopback), OBSERVE (1: a Prometheus scraping the stack, make observe) and
 PROMETHEUS_PORT (9090), RAY_GCS_PORT (6379), RAY_DASHBOARD_PORT (8265), SERVE_CONFIG, TRITON_ARGS,
 SONIC_RAY_ADMIN_KEY (random when unset), SONIC_RAY_AUTH_TOKENS_FILE, RAY_AUTH_TOKEN (Ray runs
-with token authentication as in the cluster; random when unset).
+with token authentication as in the cluster; random when unset), PREWARM_DIR (where the
+policy reads a pre-warm request, `make prewarm DIR=`; the stack's own when unset).
 
 A simulated pod is a Ray node with one `triton` resource beside its own Triton. On the
 gateway path a pod is in discovery (the list Envoy balances over) while its Triton is ready
@@ -20,6 +21,7 @@ then the pod's new Triton starts.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import secrets
@@ -240,6 +242,9 @@ class LocalStack:
         # The Ray nodes' ports are drawn before the Tritons bind theirs: never one of those.
         ports.reserve(settings.ports_in_use())
         self.workdir = Path(tempfile.mkdtemp(prefix="sonic-ray-"))
+        if settings.prewarm_dir is None:
+            self.settings = settings = dataclasses.replace(
+                settings, prewarm_dir=self.workdir / "prewarm")
         self.dashboard = f"http://127.0.0.1:{settings.dashboard_port}"
         # Opens Triton's restricted RPCs; only Triton, the forwarder and Envoy ever see it.
         self.admin_key = os.environ.get(ADMIN_KEY_ENV) or secrets.token_hex(16)
@@ -301,6 +306,7 @@ class LocalStack:
         if s.jwt is not None:
             say(f"jwt: calls need `authorization: Bearer <JWT>` signed by a key of {s.jwks_file}, "
                 f"iss {s.jwt.issuer}, aud {','.join(s.jwt.audiences)}")
+        say(f"pre-warm: make prewarm PODS=<n> UNTIL=<time> DIR={s.prewarm_dir}")
         say(f"{READY} Triton answers ServerReady through {s.client_port_owner} "
             f"at localhost:{s.grpc_port}, and HTTP at localhost:{s.http_port}")
 

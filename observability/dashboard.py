@@ -90,8 +90,11 @@ PANELS: tuple[Panel, ...] = (
     Panel("Scaling", "Replicas: wanted, target, running", "short", (
         (f"max (ray_serve_autoscaling_desired_replicas{{{FORWARDER}}})", "wanted by the policy"),
         (f"max (ray_serve_autoscaling_target_replicas{{{FORWARDER}}})", "target (min/max bounds)"),
-        (f"sum (ray_serve_deployment_replica_healthy{{{FORWARDER}}})", "running and healthy")),
-        "One replica per GPU pod: wanted above target means max_replicas holds it back."),
+        (f"sum (ray_serve_deployment_replica_healthy{{{FORWARDER}}})", "running and healthy"),
+        ("max (ray_sonic_ray_prewarm_pods)", "pre-warm floor (make prewarm)")),
+        "One replica per GPU pod: wanted above target means max_replicas holds it back; the "
+        "pre-warm floor is an operator's request of at least that many until its time "
+        "(docs/operations.md, Pre-warming)."),
     Panel("Scaling", "GPU pods in the Ray cluster", "short", (
         ('sum (ray_resources{Name="triton"})', "pods with a triton resource"),),
         "Worker pods that joined the Ray cluster (each advertises one `triton` resource)."),

@@ -48,6 +48,7 @@ from triton_pod.admission import PORT_ENV as ADMISSION_PORT_ENV
 from triton_pod.admission import SATURATED_ENV
 from triton_pod.autoscaling import TritonQueueTimePolicy
 from triton_pod.pod import TritonPodArgs
+from triton_pod.prewarm import CONFIG_MAP as PREWARM_CONFIG_MAP
 
 TRITON_RESOURCE = "triton"
 GPU_RESOURCE = re.compile(r"^nvidia\.com/(gpu|mig-.+)$")
@@ -536,6 +537,7 @@ def extract(rayservice: dict[str, Any], stream: list[dict[str, Any]] | None = No
     facts.put("headNumCpus", (head.get("rayStartParams") or {}).get("num-cpus"),
               "spec.rayClusterConfig.headGroupSpec.rayStartParams.num-cpus")
     serve = _serve_facts(facts, spec)
+    _prewarm_facts(facts, head, serve)
     gateway = _add_gateway_facts(facts, stream or [], spec, serve.config)
     _client_facts(facts, spec, stream or [], serve, gateway)
     dns_ttl = _int(annotations.get(DNS_TTL_ANNOTATION))
@@ -603,6 +605,25 @@ def _serve_facts(facts: Facts, spec: dict[str, Any]) -> _Serve:
         ready_timeout_s=_int(args.get("ready_timeout_s", defaults["ready_timeout_s"].default)),
         config=config,
     )
+
+
+def _prewarm_facts(facts: Facts, head: dict[str, Any], serve: _Serve) -> None:
+    """Where the policy reads a pre-warm request, mounted from the ConfigMap `prewarm` in the
+    head's Ray container (the Serve controller, which runs the policy, lives there)."""
+    _, deployment, app_path = _forwarder(serve.config)
+    kwargs = (((deployment.get("autoscaling_config") or {}).get("policy") or {})
+              .get("policy_kwargs") or {})
+    wanted = kwargs.get("prewarm_dir")
+    pod = (head.get("template") or {}).get("spec") or {}
+    volumes = {v.get("name") for v in pod.get("volumes") or []
+               if (v.get("configMap") or {}).get("name") == PREWARM_CONFIG_MAP}
+    ray = (pod.get("containers") or [{}])[0]
+    mounted = {m.get("mountPath") for m in ray.get("volumeMounts") or []
+               if m.get("name") in volumes}
+    facts.put("prewarmDirUnmounted", "" if not wanted or wanted in mounted else str(wanted),
+              f"{app_path}.deployments[0].autoscaling_config.policy.policy_kwargs.prewarm_dir "
+              f"and spec.rayClusterConfig.headGroupSpec containers[0].volumeMounts (ConfigMap "
+              f"{PREWARM_CONFIG_MAP})")
 
 
 def _serve_service_ports(spec: dict[str, Any]) -> list[dict[str, Any]]:

@@ -1,1 +1,1 @@
-"""Generators of committed files (make generate)."""
+"""Generators of committed files (make generate) and the operator's pre-warm command (make prewarm)."""

@@ -26,6 +26,7 @@ cluster DNS's TTL and cache; default: the build's sonic-ray.io/cluster-dns-ttl-s
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import re
@@ -170,6 +171,7 @@ class ClusterStack:
         self.workdir = Path(tempfile.mkdtemp(prefix="sonic-ray-cluster-"))
         self.pods_dir = self.workdir / "pods"
         self.pods_dir.mkdir()
+        self.prewarm_dir = self.workdir / "prewarm"
         self.network = network.Network()
         self.dns = dns.ClusterDns(self.workdir, str(network.BRIDGE_IP), built.namespace,
                                   settings.dns_ttl_s)
@@ -487,19 +489,33 @@ class ClusterStack:
             self._new_pod("triton", cluster)
         say(f"deploying the Serve config to {name}")
 
+        deployed_config = self._with_prewarm_dir(serve_config)
+
         def deployed() -> bool | str:
             # KubeRay sends it again at its next reconcile when a call fails.
             if self._stop.is_set():
                 return True
             try:
                 ray_cluster.http("PUT", f"{cluster.dashboard}/api/serve/applications/", token,
-                                 serve_config, timeout_s=180)
+                                 deployed_config, timeout_s=180)
                 return True
             except (urllib.error.URLError, OSError) as error:
                 return str(error)
 
         until(f"the Serve config deployed to {name}", deployed, 600, every_s=2, note=say)
         return cluster
+
+    def _with_prewarm_dir(self, serve_config: dict[str, Any]) -> dict[str, Any]:
+        """The config with the policy's prewarm_dir where this machine projects the ConfigMap
+        `prewarm` that every head mounts there (base/rayservice.yaml): `make prewarm DIR=`."""
+        config = copy.deepcopy(serve_config)
+        for app in config.get("applications") or []:
+            for deployment in app.get("deployments") or []:
+                kwargs = ((deployment.get("autoscaling_config") or {}).get("policy") or {}
+                          ).get("policy_kwargs")
+                if isinstance(kwargs, dict) and "prewarm_dir" in kwargs:
+                    kwargs["prewarm_dir"] = str(self.prewarm_dir)
+        return config
 
     def _running_replicas(self, cluster: RayCluster) -> int | str:
         try:
@@ -600,6 +616,7 @@ class ClusterStack:
         finally:
             for channel in channels.values():
                 channel.close()
+        say(f"pre-warm: make prewarm PODS=<n> UNTIL=<time> DIR={self.prewarm_dir}")
         say(f"{READY} grpc {SERVICE_IP}:8001 http {SERVICE_IP}:8000 pods {self.pods_dir}")
 
     def stop(self) -> None:

@@ -2,7 +2,8 @@
 pod each) from the Triton queue time each replica reports (triton_metrics.py); while a new Ray
 cluster comes up beside the one serving, at least as many as the gateway balances over; and
 from the gateway's demand (gateway_view.py), one at least while calls come and none while
-none do, so that `min_replicas: 0` scales from and to zero.
+none do, so that `min_replicas: 0` scales from and to zero; and at least an operator's
+pre-warm request (prewarm.py) until its time passes.
 
 Serve applies min/max replicas, upscale and downscale delays after this returns. It runs in
 the Serve controller every control loop, so it only does arithmetic.
@@ -12,10 +13,14 @@ from __future__ import annotations
 
 import logging
 import math
+from pathlib import Path
 from typing import Any
+
+from ray.util.metrics import Gauge
 
 from .admission import AdmissionSettings, admission, saturation
 from .gateway_view import gateway_view
+from .prewarm import PrewarmReader
 from .triton_metrics import QUEUE_METRIC
 
 logger = logging.getLogger("ray.serve")
@@ -53,10 +58,14 @@ class TritonQueueTimePolicy:
 
     Each call also decides whether the facility is saturated (admission.py) for the gateway's
     start-of-job gate, with the site's limit from the environment (the `admission` ConfigMap),
-    and says for how long GPU pods have been on their way (the gateway's retry hint)."""
+    and says for how long GPU pods have been on their way (the gateway's retry hint).
+
+    With `prewarm_dir` (where the head mounts the optional ConfigMap `prewarm`), at least the
+    GPU pods an operator asked for there until the time it gave (prewarm.py)."""
 
     def __init__(self, target_queue_ms_per_exec: float = 100.0, tolerance: float = 0.1,
-                 gateway_stats_url: str | None = None, gateway_wait_s: float = 60.0) -> None:
+                 gateway_stats_url: str | None = None, gateway_wait_s: float = 60.0,
+                 prewarm_dir: str | None = None) -> None:
         if target_queue_ms_per_exec <= 0:
             raise ValueError("target_queue_ms_per_exec must be positive")
         if gateway_wait_s < 0:
@@ -70,6 +79,12 @@ class TritonQueueTimePolicy:
         settings = AdmissionSettings.from_env()
         self.saturated_queue_ms = settings.saturated_queue_ms
         self.admission = admission(settings.port) if settings.port else None
+        self.prewarm = PrewarmReader(Path(prewarm_dir)) if prewarm_dir else None
+        # Exported by the head's Ray metrics agent as ray_sonic_ray_prewarm_* (dashboard).
+        self._prewarm_pods = Gauge("sonic_ray_prewarm_pods", "GPU pods held by an "
+                                   "operator's pre-warm request now (0: none in force)")
+        self._prewarm_invalid = Gauge("sonic_ray_prewarm_invalid", "1 while the pre-warm "
+                                      "ConfigMap cannot be read (the controller's log says why)")
 
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
         state = dict(getattr(ctx, "policy_state", None) or {})
@@ -80,7 +95,15 @@ class TritonQueueTimePolicy:
                 ctx.capacity_adjusted_max_replicas, self.saturated_queue_ms),
                 starting_for_s(ctx, state))
         floor = self._floor(ctx, state)
-        return max(self._with_demand(decision), floor), {**state, **found}
+        return max(self._with_demand(decision), floor, self._prewarmed()), {**state, **found}
+
+    def _prewarmed(self) -> int:
+        if self.prewarm is None:
+            return 0
+        pods = self.prewarm.floor()
+        self._prewarm_pods.set(pods)
+        self._prewarm_invalid.set(1 if self.prewarm.error else 0)
+        return pods
 
     def _with_demand(self, decision: int) -> int:
         if self.gateway is None:
