@@ -194,6 +194,18 @@ def replicas(dashboard: str, token: str) -> list[dict[str, Any]]:
     return found
 
 
+def triton_resources(dashboard: str, token: str) -> int:
+    """The `triton` resources of the cluster's live nodes (one per GPU pod), from Ray's state
+    API: what the Ray autoscaler sees."""
+    body = http("GET", f"{dashboard}/api/v0/nodes?limit=1000", token)
+    try:
+        nodes = body["data"]["result"]["result"]
+    except (KeyError, TypeError):
+        raise ValueError(f"Ray's state API answered {body!r}") from None
+    return int(sum(float((n.get("resources_total") or {}).get("triton", 0))
+                   for n in nodes if n.get("state") == "ALIVE"))
+
+
 def replica_triton_address(pid: int) -> str | None:
     """The Triton a replica talks to: its process's environment (it inherits its node's)."""
     try:

@@ -40,6 +40,7 @@ import tempfile
 import threading
 import time
 import urllib.error
+import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +57,8 @@ from local_stack.processes import run_until_signalled, say_line, set_parent_deat
 from local_stack.settings import DEFAULT_MODELS, SERVE_DIR, int_env
 from local_stack.stack import http_ready, server_ready
 from triton_pod.access import ADMIN_KEY_ENV, TOKENS_FILE_ENV
+from triton_pod.admission import PATH as ADMISSION_PATH
+from triton_pod.admission import PORT_ENV as ADMISSION_PORT_ENV
 
 SAID = "[cluster]"
 READY = "ready:"
@@ -101,7 +104,10 @@ class ClusterSettings:
         if tokens and not Path(tokens).is_file():
             raise SystemExit(f"{TOKENS_FILE_ENV}={tokens} is not a file")
         return cls(
-            tritons=int_env(env, "TRITONS", 1, 0, built.worker_max_replicas),
+            # KubeRay starts a RayService's cluster with what Serve keeps at least.
+            tritons=int_env(env, "TRITONS", min(min_replicas(config),
+                                                built.worker_max_replicas),
+                            0, built.worker_max_replicas),
             gateways=int_env(env, "GATEWAYS", built.gateway_replicas, 1, 8),
             dns_ttl_s=int_env(env, "DNS_TTL", built.dns_ttl_s, 0, 3600),
             model_repository=repo,
@@ -127,6 +133,17 @@ def cluster_settings(built: manifests.Built, env: Mapping[str, str]
             raise SystemExit(f"SERVE_CONFIG={path} is not a file")
         config = yaml.safe_load(path.read_text())
     return (Path(repo).resolve() if repo else None), config
+
+
+def min_replicas(serve_config: dict[str, Any]) -> int:
+    """The Triton deployment's min_replicas (its num_replicas when it does not autoscale)."""
+    for app in serve_config.get("applications") or []:
+        for deployment in app.get("deployments") or []:
+            auto = deployment.get("autoscaling_config")
+            if auto is not None:
+                return int(auto.get("min_replicas", 1))
+            return int(deployment.get("num_replicas", 1))
+    return 1
 
 
 def upgrade_settings(text: str) -> dict[str, str]:
@@ -362,6 +379,12 @@ class ClusterStack:
             else:
                 threading.Thread(target=self._upgrade, args=(text,), name="upgrade",
                                  daemon=True).start()
+        in_place = self.pods_dir / "serve-config"
+        if in_place.exists():
+            text = in_place.read_text()
+            in_place.unlink()
+            threading.Thread(target=self._update_in_place, args=(text,), name="serve-config",
+                             daemon=True).start()
         with self._lock:
             pods = list(self.pods.values())
         for pod in pods:
@@ -374,6 +397,22 @@ class ClusterStack:
                 (pod.dir / "cut").unlink()
                 say(f"{pod.name}: its node is off the network")
                 self.network.cut(pod.name)
+
+    def _update_in_place(self, text: str) -> None:
+        """KubeRay's answer to a RayService whose serveConfigV2 alone changed: the new config
+        sent to the active cluster's Serve, no new cluster."""
+        try:
+            config = yaml.safe_load(text)
+            if not isinstance(config, dict):
+                raise ValueError("not a Serve config (a YAML mapping)")
+            with self._lock:
+                cluster = self.clusters[self.active]
+            ray_cluster.http("PUT", f"{cluster.dashboard}/api/serve/applications/",
+                             cluster.token, self._with_prewarm_dir(config), timeout_s=180)
+            cluster.serve_config = config
+            say(f"serve config: updated in place on cluster {cluster.name}")
+        except (yaml.YAMLError, ValueError, OSError, urllib.error.URLError) as error:
+            say(f"serve config: refused: {error}")
 
     def _gateway_owner(self) -> None:
         """The Deployment: as many gateway pods not terminating as its replicas."""
@@ -478,6 +517,8 @@ class ClusterStack:
                                        "ray.io/node-type": "head",
                                        "ray.io/serve": str(not self.built.exclude_head).lower()}
             self.clusters[name] = cluster
+        # KubeRay's Secret of the cluster's token, where a test can read it.
+        (head.dir / "ray-token").write_text(token)
         head.start()
         say(f"{head_name}: Ray head of cluster {name} at {net.ip} (dashboard "
             f"{cluster.dashboard})")
@@ -610,14 +651,59 @@ class ClusterStack:
                     return f"{name} at {ip}: {answer}"
             return True
 
+        at_zero = self.settings.tritons == 0 and min_replicas(self.settings.serve_config) == 0
         try:
-            until("ServerReady through the Service IP and every gateway pod",
-                  through_the_service, READY_TIMEOUT_S, every_s=0.5, note=say)
+            if at_zero:
+                self._wait_ready_at_zero(stop)
+            else:
+                until("ServerReady through the Service IP and every gateway pod",
+                      through_the_service, READY_TIMEOUT_S, every_s=0.5, note=say)
         finally:
             for channel in channels.values():
                 channel.close()
+        if at_zero:
+            say("no GPU pod runs (min_replicas 0): the first call starts one; until its "
+                "Triton is ready the gateway answers each call at once (a job start with "
+                "the start-of-job gate's status, any other call UNAVAILABLE / 503 saying "
+                "when to retry)")
         say(f"pre-warm: make prewarm PODS=<n> UNTIL=<time> DIR={self.prewarm_dir}")
         say(f"{READY} grpc {SERVICE_IP}:8001 http {SERVICE_IP}:8000 pods {self.pods_dir}")
+
+    def _wait_ready_at_zero(self, stop: threading.Event) -> None:
+        """With no GPU pod, ready once every gateway pod is ready (its own probe: a call on
+        the clients' ports would count as demand and start a GPU pod), the Service lists them,
+        Serve runs the application and the policy answers the gateway (admission.py)."""
+        with self._lock:
+            cluster = self.clusters[self.active]
+        head = self.built.head.containers["ray-head"]
+        port = self._container_env(head).get(ADMISSION_PORT_ENV, "")
+        if not port:
+            raise SystemExit(f"the Ray head has no {ADMISSION_PORT_ENV}: the gateway would "
+                             "never hear that a GPU pod is on its way")
+
+        def control_plane() -> object:
+            if stop.is_set():
+                raise SystemExit("stopped while starting")
+            with self._lock:
+                gateways = sorted(p.ip for n, p in self.pods.items()
+                                  if n.startswith("gateway-") and p.ready)
+            if len(gateways) < self.settings.gateways:
+                return f"{len(gateways)} of {self.settings.gateways} gateway pods ready"
+            if self.service.endpoints != gateways:
+                return f"the Service lists {self.service.endpoints}"
+            running = ray_cluster.applications_running(cluster.dashboard, cluster.token)
+            if running is not True:
+                return running
+            try:
+                with urllib.request.urlopen(f"http://{cluster.head.ip}:{port}{ADMISSION_PATH}",
+                                            timeout=5) as response:
+                    answer = json.load(response)
+            except (urllib.error.URLError, OSError, ValueError) as error:
+                return f"the policy's answer to the gateway: {error}"
+            return answer.get("state") != "unknown" or answer.get("reason")
+
+        until("the gateway pods and the control plane (no GPU pod at min_replicas 0)",
+              control_plane, READY_TIMEOUT_S, every_s=0.5, note=say)
 
     def stop(self) -> None:
         if not self.network.owned:

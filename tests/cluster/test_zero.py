@@ -1,0 +1,118 @@
+"""Scale to zero and back on the cluster's mechanics (docs/data-paths.md, "From and to zero"):
+the running cluster's Serve config changed in place to `min_replicas: 0`, as KubeRay applies a
+changed serveConfigV2; idle, every GPU pod goes and Ray has no `triton` resource left; a
+client's first calls then get the gateway's answers at once (a job start the start-of-job
+gate's CANCELLED, inference UNAVAILABLE / 503 saying a GPU pod is starting and when to retry),
+a GPU pod starts, and calls succeed once its Triton is ready: none hangs, none reaches a
+Triton that is not ready. Last of this folder (file order): it leaves the cluster at one pod."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import tritonclient.grpc as tc
+from tritonclient.utils import InferenceServerException
+
+from local_stack.harness import serve_config_with
+from local_stack.polling import until
+from local_stack.ray_cluster import triton_resources
+from local_stack.triton_inputs import simple_inputs
+from tests.support.cluster import Cluster
+
+# The gateway's answers while no Triton is ready (gateway/client-checks.lua).
+NO_TRITON = "no Triton is ready behind this endpoint"
+STARTING = re.compile(r"a GPU pod is starting \(asked for \d+ s ago; one takes about \d+ s "
+                      r"here\); retry in about \d+ s")
+# An answer that takes longer than this would be a call held, not answered at once.
+AT_ONCE_S = 1.0
+HEAD = re.compile(r"(ray-head(?:-\d+)?): Ray head of cluster (\S+) at \S+ \(dashboard (\S+)\)")
+
+
+def _active_head(cluster: Cluster) -> tuple[str, str]:
+    """The newest Ray cluster's dashboard and token (after an upgrade, the new one's)."""
+    heads = [m for line in cluster.process.lines if (m := HEAD.search(line))]
+    name, _, dashboard = heads[-1].groups()
+    return dashboard, (cluster.pods_dir / name / "ray-token").read_text()
+
+
+def _pod_namespaces() -> list[str]:
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
+                            check=True).stdout.split()
+    return [name for name in listed if name.startswith("srk-triton-")]
+
+
+def _call(what: str, call: object) -> tuple[float, str]:
+    started = time.monotonic()
+    try:
+        call()  # type: ignore[operator]
+        outcome = "OK"
+    except InferenceServerException as error:
+        outcome = f"{error.status()}: {error.message()}"
+    except urllib.error.HTTPError as error:
+        outcome = (f"HTTP {error.code} Retry-After {error.headers.get('Retry-After')}: "
+                   f"{error.read().decode(errors='replace')}")
+    return time.monotonic() - started, f"{what} {outcome}"
+
+
+def test_idle_to_zero_gpu_pods_then_the_first_calls_start_one(cluster: Cluster,
+                                                               tmp_path: Path) -> None:
+    dashboard, token = _active_head(cluster)
+    config = serve_config_with(tmp_path, autoscaling={
+        "min_replicas": 0, "max_replicas": 3, "downscale_delay_s": 5,
+        "downscale_to_zero_delay_s": 5})
+    mark = cluster.line_index()
+    (cluster.pods_dir / "serve-config").write_text(config.read_text())
+    cluster.wait_for(r"\[cluster\] serve config: updated in place", 200, after=mark)
+    started = time.monotonic()
+    timeline: list[tuple[float, int, int, int]] = []
+
+    def sample() -> tuple[int, int, int]:
+        found = (len(cluster.pods("triton")), len(cluster.ready_pods("triton")),
+                 triton_resources(dashboard, token))
+        timeline.append((round(time.monotonic() - started), *found))
+        return found
+
+    until("no GPU pod and no triton resource in Ray",
+          lambda: sample()[::2] == (0, 0) or timeline[-1], 400, every_s=2)
+    at_zero = time.monotonic() - started
+    assert _pod_namespaces() == [], "a GPU pod's namespace outlived it"
+
+    # The first calls: each answered at once by the gateway, none reaching a Triton.
+    ones = np.ones((1, 16), dtype=np.int32)
+    client = tc.InferenceServerClient(cluster.grpc_url)
+    infer = ("ModelInfer", lambda: client.infer("simple", simple_inputs(ones, ones),
+                                                client_timeout=20))
+    first = time.monotonic()
+    outcomes = [_call(*infer),
+                _call("RepositoryIndex", lambda: client.get_model_repository_index(
+                    client_timeout=20)),
+                _call("HTTP ready", lambda: urllib.request.urlopen(
+                    f"http://{cluster.http_url}/v2/health/ready", timeout=20))]
+    while not outcomes[-1][1].endswith(" OK") and time.monotonic() - first < 400:
+        outcomes.append(_call(*infer))
+        sample()
+        time.sleep(0.5)
+    first_ok_s = time.monotonic() - first
+    refused = outcomes[:-1]
+    print(f"to zero GPU pods {at_zero:.0f}s after the config; the first success "
+          f"{first_ok_s:.0f}s after the first call, {len(refused)} calls before it, the "
+          f"slowest answered in {max(s for s, _ in refused):.3f}s; first answers "
+          f"{[o for _, o in outcomes[:4]]}; (s, GPU pods, ready, triton resources): "
+          f"{timeline}")
+    assert outcomes[-1][1] == "ModelInfer OK", outcomes[-5:]
+    slow = [(s, o) for s, o in refused if s >= AT_ONCE_S]
+    assert slow == [], f"calls held instead of answered at once: {slow[:5]}"
+    job = outcomes[1][1]
+    assert job.startswith("RepositoryIndex StatusCode.CANCELLED") and "no new jobs" in job, job
+    assert outcomes[2][1].startswith("HTTP ready HTTP 503 Retry-After ") and NO_TRITON in \
+        outcomes[2][1], outcomes[2]
+    others = [o for _, o in refused[3:]] + [outcomes[0][1]]
+    assert all(o.startswith("ModelInfer StatusCode.UNAVAILABLE") and NO_TRITON in o
+               for o in others), [o for o in others if NO_TRITON not in o][:5]
+    assert any(STARTING.search(o) for o in others), others[-3:]
