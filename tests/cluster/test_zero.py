@@ -4,7 +4,9 @@ changed serveConfigV2; idle, every GPU pod goes and Ray has no `triton` resource
 client's first calls then get the gateway's answers at once (a job start the start-of-job
 gate's CANCELLED, inference UNAVAILABLE / 503 saying a GPU pod is starting and when to retry),
 a GPU pod starts, and calls succeed once its Triton is ready: none hangs, none reaches a
-Triton that is not ready. Last of this folder (file order): it leaves the cluster at one pod."""
+Triton that is not ready. Then an operator's pre-warm request (make prewarm) brings a second
+GPU pod with no call made, and Serve lets go of it once the request's time has passed. Last of
+this folder (file order): it leaves the cluster as it is."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +24,7 @@ from tritonclient.utils import InferenceServerException
 
 from local_stack.harness import serve_config_with
 from local_stack.polling import until
-from local_stack.ray_cluster import triton_resources
+from local_stack.ray_cluster import application, deployment_of, triton_resources
 from local_stack.triton_inputs import simple_inputs
 from tests.support.cluster import Cluster
 
@@ -31,6 +34,9 @@ STARTING = re.compile(r"a GPU pod is starting \(asked for \d+ s ago; one takes a
                       r"here\); retry in about \d+ s")
 # An answer that takes longer than this would be a call held, not answered at once.
 AT_ONCE_S = 1.0
+# How long the pre-warm request holds: Serve's upscale_delay_s (10 s) and a GPU pod's start
+# here with room to spare; an operator asks for hours.
+PREWARM_S = 60
 HEAD = re.compile(r"(ray-head(?:-\d+)?): Ray head of cluster (\S+) at \S+ \(dashboard (\S+)\)")
 
 
@@ -116,3 +122,22 @@ def test_idle_to_zero_gpu_pods_then_the_first_calls_start_one(cluster: Cluster,
     assert all(o.startswith("ModelInfer StatusCode.UNAVAILABLE") and NO_TRITON in o
                for o in others), [o for o in others if NO_TRITON not in o][:5]
     assert any(STARTING.search(o) for o in others), others[-3:]
+
+    # Pre-warming: a second GPU pod ready with no call made, and let go after the time.
+    prewarm_dir = cluster.wait_for(r"pre-warm: make prewarm .* DIR=(\S+)$", 1).group(1)
+    ends = datetime.now(UTC) + timedelta(seconds=PREWARM_S)
+    done = subprocess.run(["make", "-s", "prewarm", "PODS=2", f"UNTIL={ends.isoformat()}",
+                           f"DIR={prewarm_dir}", f"SERVE_CONFIG={config}"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    until("two GPU pods ready before the request's time passes",
+          lambda: datetime.now(UTC) >= ends or len(cluster.ready_pods("triton")) == 2 or
+          cluster.ready_pods("triton"), PREWARM_S, every_s=1)
+    assert len(cluster.ready_pods("triton")) == 2 and datetime.now(UTC) < ends
+
+    def target() -> int:
+        return int(deployment_of(application(dashboard, token)).get("target_num_replicas", -1))
+
+    until("Serve to want fewer than two once the request's time passed",
+          lambda: (datetime.now(UTC) > ends and target() < 2) or f"target {target()}",
+          PREWARM_S + 60, every_s=1)
