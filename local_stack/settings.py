@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from gateway.jwt import AUDIENCES_ENV, CLOCK_SKEW_ENV, ISSUER_ENV, JwtSettings, check_jwks
 from gateway.tenant_shares import SHARES_ENV, TENANTS_ENV, parse_shares, parse_tenant_map
 from triton_pod.admission import PORT_ENV as ADMISSION_PORT_ENV
@@ -22,6 +24,17 @@ DEFAULT_MODELS = ROOT / "triton" / "models"
 DATA_PATHS = ("gateway", "serve")
 # Triton i of TRITONS=N listens on each base port + POD_PORT_STEP * i.
 POD_PORT_STEP = 10
+
+
+def min_replicas(serve_config: dict[str, Any]) -> int:
+    """The Triton deployment's min_replicas (its num_replicas when it does not autoscale)."""
+    for app in serve_config.get("applications") or []:
+        for deployment in app.get("deployments") or []:
+            auto = deployment.get("autoscaling_config")
+            if auto is not None:
+                return int(auto.get("min_replicas", 1))
+            return int(deployment.get("num_replicas", 1))
+    return 1
 
 
 def int_env(env: Mapping[str, str], name: str, default: int, low: int | None = None,
@@ -169,6 +182,16 @@ class Settings:
         config = Path(env.get("SERVE_CONFIG") or DEFAULT_CONFIG).resolve()
         if not config.is_file():
             raise SystemExit(f"SERVE_CONFIG={config} is not a file")
+        try:
+            parsed = yaml.safe_load(config.read_text()) or {}
+        except yaml.YAMLError as error:
+            raise SystemExit(f"SERVE_CONFIG={config} is not YAML: {error}") from None
+        if data_path == "serve" and min_replicas(parsed) == 0:
+            # Nothing would ever start a replica: no gateway sees the calls (invariant
+            # serve-min-replicas refuses the same in a build).
+            raise SystemExit(f"SERVE_CONFIG={config}: min_replicas 0 on the Serve path, where "
+                             "nothing sees a call while no replica runs; set min_replicas to 1 "
+                             "or more, or use the gateway path (DATA_PATH=gateway)")
         settings = cls(
             data_path=data_path,
             tritons=tritons,

@@ -53,7 +53,7 @@ from local_stack.processes import (
     set_parent_death_signal,
     terminate,
 )
-from local_stack.settings import Settings
+from local_stack.settings import Settings, min_replicas
 from triton_pod.access import ADMIN_KEY_ENV, TokenCheck
 from triton_pod.rpcs import SERVICE
 
@@ -306,6 +306,10 @@ class LocalStack:
         if s.jwt is not None:
             say(f"jwt: calls need `authorization: Bearer <JWT>` signed by a key of {s.jwks_file}, "
                 f"iss {s.jwt.issuer}, aud {','.join(s.jwt.audiences)}")
+        if min_replicas(yaml.safe_load(s.serve_config.read_text()) or {}) == 0:
+            say("min_replicas 0: this stack's simulated pods run from the start (they do not "
+                "start on demand here; make cluster's do) and leave the gateway's rotation "
+                "while Serve runs no replica on them")
         say(f"pre-warm: make prewarm PODS=<n> UNTIL=<time> DIR={s.prewarm_dir}")
         say(f"{READY} Triton answers ServerReady through {s.client_port_owner} "
             f"at localhost:{s.grpc_port}, and HTTP at localhost:{s.http_port}")

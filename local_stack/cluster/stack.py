@@ -54,7 +54,7 @@ from local_stack.cluster import dns, manifests, network, service
 from local_stack.cluster.pods import ContainerSpec, Pod
 from local_stack.polling import until
 from local_stack.processes import run_until_signalled, say_line, set_parent_death_signal
-from local_stack.settings import DEFAULT_MODELS, SERVE_DIR, int_env
+from local_stack.settings import DEFAULT_MODELS, SERVE_DIR, int_env, min_replicas
 from local_stack.stack import http_ready, server_ready
 from triton_pod.access import ADMIN_KEY_ENV, TOKENS_FILE_ENV
 from triton_pod.admission import PATH as ADMISSION_PATH
@@ -133,17 +133,6 @@ def cluster_settings(built: manifests.Built, env: Mapping[str, str]
             raise SystemExit(f"SERVE_CONFIG={path} is not a file")
         config = yaml.safe_load(path.read_text())
     return (Path(repo).resolve() if repo else None), config
-
-
-def min_replicas(serve_config: dict[str, Any]) -> int:
-    """The Triton deployment's min_replicas (its num_replicas when it does not autoscale)."""
-    for app in serve_config.get("applications") or []:
-        for deployment in app.get("deployments") or []:
-            auto = deployment.get("autoscaling_config")
-            if auto is not None:
-                return int(auto.get("min_replicas", 1))
-            return int(deployment.get("num_replicas", 1))
-    return 1
 
 
 def upgrade_settings(text: str) -> dict[str, str]:

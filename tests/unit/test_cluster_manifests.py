@@ -1,11 +1,16 @@
-"""What `make cluster` reads from the built overlays/local, and its upgrade control file."""
+"""What `make cluster` reads from the built overlays/local, its settings, and its upgrade control
+file."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
 from local_stack.cluster import manifests
-from local_stack.cluster.stack import upgrade_settings
+from local_stack.cluster.stack import ClusterSettings, upgrade_settings
+from local_stack.harness import serve_config_with
+from local_stack.settings import min_replicas
 
 
 @pytest.fixture(scope="module")
@@ -32,3 +37,23 @@ def test_the_upgrade_file_takes_known_settings_and_names_the_bad_line() -> None:
         upgrade_settings("MODEL_REPOSITORY=/m\nTRITONS=4\n")
     with pytest.raises(SystemExit, match="line 1: 'models'"):
         upgrade_settings("models")
+
+
+@pytest.mark.parametrize(("autoscaling", "env", "tritons"), [
+    ({"min_replicas": 0, "max_replicas": 3}, {}, 0),   # scale to zero: no GPU pod at start
+    ({"min_replicas": 2, "max_replicas": 3}, {}, 2),   # KubeRay starts what Serve keeps
+    ({"min_replicas": 0, "max_replicas": 3}, {"TRITONS": "1"}, 1),  # said: as said
+])
+def test_gpu_pods_at_start_are_the_configs_min_replicas_unless_tritons_says(
+        built: manifests.Built, tmp_path: Path, autoscaling: dict[str, int],
+        env: dict[str, str], tritons: int) -> None:
+    config = serve_config_with(tmp_path, autoscaling=autoscaling)
+    settings = ClusterSettings.from_env(built, {"SERVE_CONFIG": str(config), **env})
+    assert min_replicas(settings.serve_config) == autoscaling["min_replicas"]
+    assert settings.tritons == tritons
+
+
+def test_more_gpu_pods_at_start_than_the_group_may_have_is_refused(
+        built: manifests.Built) -> None:
+    with pytest.raises(SystemExit, match=f"TRITONS=9: between 0 and {built.worker_max_replicas}"):
+        ClusterSettings.from_env(built, {"TRITONS": "9"})

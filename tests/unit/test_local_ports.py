@@ -6,11 +6,12 @@ from __future__ import annotations
 import random
 import re
 import socket
+from pathlib import Path
 
 import pytest
 
 from local_stack import ports
-from local_stack.harness import READY_LINE
+from local_stack.harness import READY_LINE, serve_config_with
 from local_stack.settings import ROOT, Settings
 
 
@@ -130,3 +131,15 @@ def test_a_block_is_found_while_one_gap_is_left(monkeypatch: pytest.MonkeyPatch)
     assert ports.free_port_range(60) == gap
     with pytest.raises(RuntimeError, match="no 1 consecutive free ports"):
         ports.free_port_range(1)
+
+
+def test_a_serve_path_that_could_never_scale_from_zero_is_refused(tmp_path: Path) -> None:
+    config = serve_config_with(tmp_path, autoscaling={"min_replicas": 0, "max_replicas": 2})
+    with pytest.raises(SystemExit, match=re.escape("min_replicas 0 on the Serve path")):
+        Settings.from_env({"DATA_PATH": "serve", "SERVE_CONFIG": str(config)})
+    # The gateway path sees the calls and starts a replica for the first one.
+    assert Settings.from_env({"SERVE_CONFIG": str(config)}).serve_config == config
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("applications: [\n")
+    with pytest.raises(SystemExit, match="is not YAML"):
+        Settings.from_env({"SERVE_CONFIG": str(broken)})
