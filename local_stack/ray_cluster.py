@@ -19,6 +19,7 @@ import yaml
 from local_stack.ports import free_ports
 from local_stack.processes import spawn
 from local_stack.settings import SERVE_DIR, Settings, env_file
+from schema.serve_app import policy_kwargs, triton_app, with_policy_kwarg
 from triton_pod.access import ADMIN_KEY_ENV
 from triton_pod.pod import (
     TRITON_ADDRESS_ENV,
@@ -124,22 +125,15 @@ def local_serve_config(settings: Settings, path: Path | None = None) -> dict[str
     config["grpc_options"] = {**config.get("grpc_options", {}), "port": serve_grpc}
     # The gateway's stats on this machine's port (the cluster's name for them does not
     # resolve here); the Serve path has no gateway to ask.
-    for app in config.get("applications") or []:
-        for deployment in app.get("deployments") or []:
-            kwargs = ((deployment.get("autoscaling_config") or {}).get("policy") or {}).get(
-                "policy_kwargs")
-            if isinstance(kwargs, dict) and "gateway_stats_url" in kwargs:
-                if settings.data_path == "gateway":
-                    kwargs["gateway_stats_url"] = (f"http://127.0.0.1:"
-                                                   f"{settings.gateway_metrics_port}/stats/prometheus")
-                else:
-                    del kwargs["gateway_stats_url"]
-            if isinstance(kwargs, dict) and "prewarm_dir" in kwargs:
-                if settings.prewarm_dir is None:
-                    raise ValueError("the Serve config reads a pre-warm request "
-                                     "(policy_kwargs.prewarm_dir): set PREWARM_DIR")
-                # The stack's directory in place of the head's ConfigMap mount.
-                kwargs["prewarm_dir"] = str(settings.prewarm_dir)
+    config = with_policy_kwarg(config, "gateway_stats_url",
+                               f"http://127.0.0.1:{settings.gateway_metrics_port}/stats/prometheus"
+                               if settings.data_path == "gateway" else None)
+    if "prewarm_dir" in policy_kwargs(triton_app(config)[1]):
+        if settings.prewarm_dir is None:
+            raise ValueError("the Serve config reads a pre-warm request "
+                             "(policy_kwargs.prewarm_dir): set PREWARM_DIR")
+        # The stack's directory in place of the head's ConfigMap mount.
+        config = with_policy_kwarg(config, "prewarm_dir", str(settings.prewarm_dir))
     return config
 
 

@@ -15,6 +15,7 @@ import yaml
 
 from gateway.jwt import AUDIENCES_ENV, CLOCK_SKEW_ENV, ISSUER_ENV, JwtSettings, check_jwks
 from gateway.tenant_shares import SHARES_ENV, TENANTS_ENV, parse_shares, parse_tenant_map
+from schema.serve_app import NoTritonAppError, replica_bounds
 from triton_pod.admission import PORT_ENV as ADMISSION_PORT_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,14 +28,11 @@ POD_PORT_STEP = 10
 
 
 def min_replicas(serve_config: dict[str, Any]) -> int:
-    """The Triton deployment's min_replicas (its num_replicas when it does not autoscale)."""
-    for app in serve_config.get("applications") or []:
-        for deployment in app.get("deployments") or []:
-            auto = deployment.get("autoscaling_config")
-            if auto is not None:
-                return int(auto.get("min_replicas", 1))
-            return int(deployment.get("num_replicas", 1))
-    return 1
+    """The GPU pods' min_replicas; a config without their application is refused."""
+    try:
+        return replica_bounds(serve_config)[0]
+    except NoTritonAppError as error:
+        raise SystemExit(f"SERVE_CONFIG: {error}") from None
 
 
 def int_env(env: Mapping[str, str], name: str, default: int, low: int | None = None,

@@ -42,7 +42,7 @@ from gateway.tenant_shares import (
     parse_tenant_map,
     shares_of,
 )
-from triton_pod import APP_IMPORT_PATH as FORWARDER_IMPORT_PATH
+from schema.serve_app import policy_kwargs, triton_app
 from triton_pod.access import ADMIN_HEADER, ADMIN_KEY_NAME, HTTP_ADMIN_HEADER, TOKENS_FILE_ENV
 from triton_pod.admission import PORT_ENV as ADMISSION_PORT_ENV
 from triton_pod.admission import SATURATED_ENV
@@ -156,14 +156,6 @@ def _serve_config(spec: dict[str, Any]) -> dict[str, Any]:
     except yaml.YAMLError:
         return {}
     return config if isinstance(config, dict) else {}
-
-
-def _forwarder(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], str]:
-    for index, app in enumerate(config.get("applications") or []):
-        if isinstance(app, dict) and app.get("import_path") == FORWARDER_IMPORT_PATH:
-            deployments = app.get("deployments") or [{}]
-            return app, deployments[0], f"spec.serveConfigV2 applications[{index}]"
-    return {}, {}, "spec.serveConfigV2 applications"
 
 
 def _gateway(stream: list[dict[str, Any]]
@@ -481,9 +473,8 @@ def _admission_facts(facts: Facts, deployment: dict[str, Any], envoy: dict[str, 
               {fact: _number(settings[key]) if fact.endswith("S") else settings[key]
                for fact, key in GATE_SETTINGS.items() if key in settings}, source)
     limit = str(settings.get(SATURATED_ENV, "")).strip()
-    _, forwarder, app_path = _forwarder(serve_config)
-    kwargs = (((forwarder.get("autoscaling_config") or {}).get("policy") or {})
-              .get("policy_kwargs") or {})
+    _, forwarder, app_path = triton_app(serve_config)
+    kwargs = policy_kwargs(forwarder)
     target = kwargs.get("target_queue_ms_per_exec", TARGET_DEFAULT)
     limit_value = _number(limit) if limit else None
     facts.put("saturationMinusScalingTarget",
@@ -571,7 +562,7 @@ def extract(rayservice: dict[str, Any], stream: list[dict[str, Any]] | None = No
 
 def _serve_facts(facts: Facts, spec: dict[str, Any]) -> _Serve:
     config = _serve_config(spec)
-    app, deployment, app_path = _forwarder(config)
+    app, deployment, app_path = triton_app(config)
     auto = deployment.get("autoscaling_config") or {}
     actor = deployment.get("ray_actor_options") or {}
     deployment_path = f"{app_path}.deployments[0]"
@@ -581,8 +572,7 @@ def _serve_facts(facts: Facts, spec: dict[str, Any]) -> _Serve:
     max_replicas = _int(auto.get("max_replicas", min_replicas))
     # Zero replicas only where something starts one for the first call: the autoscaling
     # policy reading the gateway's demand (serve/triton_pod/gateway_view.py).
-    policy = auto.get("policy") or {}
-    reads_demand = bool((policy.get("policy_kwargs") or {}).get("gateway_stats_url"))
+    reads_demand = bool(policy_kwargs(deployment).get("gateway_stats_url"))
     facts.put("serveMinReplicas", max(min_replicas, 1) if reads_demand and min_replicas == 0
               else min_replicas, f"{deployment_path}.autoscaling_config.min_replicas")
     facts.put("serveMaxMinusMinReplicas", _diff(max_replicas, min_replicas),
@@ -610,9 +600,8 @@ def _serve_facts(facts: Facts, spec: dict[str, Any]) -> _Serve:
 def _prewarm_facts(facts: Facts, head: dict[str, Any], serve: _Serve) -> None:
     """Where the policy reads a pre-warm request, mounted from the ConfigMap `prewarm` in the
     head's Ray container (the Serve controller, which runs the policy, lives there)."""
-    _, deployment, app_path = _forwarder(serve.config)
-    kwargs = (((deployment.get("autoscaling_config") or {}).get("policy") or {})
-              .get("policy_kwargs") or {})
+    _, deployment, app_path = triton_app(serve.config)
+    kwargs = policy_kwargs(deployment)
     wanted = kwargs.get("prewarm_dir")
     pod = (head.get("template") or {}).get("spec") or {}
     volumes = {v.get("name") for v in pod.get("volumes") or []

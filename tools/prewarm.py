@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from triton_pod import APP_IMPORT_PATH as FORWARDER_IMPORT_PATH
+from schema.serve_app import NoTritonAppError, replica_bounds
 from triton_pod.prewarm import CONFIG_MAP, PODS_KEY, UNTIL_KEY, Prewarm, PrewarmError, parse
 
 REPO = Path(__file__).resolve().parent.parent
@@ -32,13 +32,10 @@ DEFAULT_SERVE_CONFIG = REPO / "serve" / "serve-config.yaml"
 
 def bounds(serve_config: dict[str, Any], where: str) -> tuple[int, int]:
     """The deployment's min_replicas and max_replicas."""
-    for app in serve_config.get("applications") or []:
-        if isinstance(app, dict) and app.get("import_path") == FORWARDER_IMPORT_PATH:
-            (deployment,) = app.get("deployments") or [{}]
-            auto = deployment.get("autoscaling_config") or {}
-            low = int(auto.get("min_replicas", deployment.get("num_replicas", 1)))
-            return low, int(auto.get("max_replicas", low))
-    raise SystemExit(f"{where}: no application imports {FORWARDER_IMPORT_PATH}")
+    try:
+        return replica_bounds(serve_config)
+    except NoTritonAppError as error:
+        raise SystemExit(f"{where}: {error}") from None
 
 
 def checked(pods: str, until: str, most: int, now: datetime) -> Prewarm:

@@ -26,7 +26,6 @@ cluster DNS's TTL and cache; default: the build's sonic-ray.io/cluster-dns-ttl-s
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import os
 import re
@@ -56,6 +55,7 @@ from local_stack.polling import until
 from local_stack.processes import run_until_signalled, say_line, set_parent_death_signal
 from local_stack.settings import DEFAULT_MODELS, SERVE_DIR, int_env, min_replicas
 from local_stack.stack import http_ready, server_ready
+from schema.serve_app import with_policy_kwarg
 from triton_pod.access import ADMIN_KEY_ENV, TOKENS_FILE_ENV
 from triton_pod.admission import PATH as ADMISSION_PATH
 from triton_pod.admission import PORT_ENV as ADMISSION_PORT_ENV
@@ -538,14 +538,7 @@ class ClusterStack:
     def _with_prewarm_dir(self, serve_config: dict[str, Any]) -> dict[str, Any]:
         """The config with the policy's prewarm_dir where this machine projects the ConfigMap
         `prewarm` that every head mounts there (base/rayservice.yaml): `make prewarm DIR=`."""
-        config = copy.deepcopy(serve_config)
-        for app in config.get("applications") or []:
-            for deployment in app.get("deployments") or []:
-                kwargs = ((deployment.get("autoscaling_config") or {}).get("policy") or {}
-                          ).get("policy_kwargs")
-                if isinstance(kwargs, dict) and "prewarm_dir" in kwargs:
-                    kwargs["prewarm_dir"] = str(self.prewarm_dir)
-        return config
+        return with_policy_kwarg(serve_config, "prewarm_dir", str(self.prewarm_dir))
 
     def _running_replicas(self, cluster: RayCluster) -> int | str:
         try:

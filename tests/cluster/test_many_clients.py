@@ -8,6 +8,7 @@ import asyncio
 import resource
 import statistics
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +16,7 @@ import tritonclient.grpc.aio as tc_aio
 from tritonclient.utils import InferenceServerException
 
 from local_stack.triton_inputs import simple_inputs
-from tests.support.cluster import OWN_CONNECTION, Cluster
+from tests.support.cluster import OWN_CONNECTION, Cluster, tcp_counters
 
 CONNECTIONS = 2000
 SECONDS = 60.0
@@ -73,11 +74,15 @@ def test_two_thousand_connections_through_the_service_ip(cluster: Cluster) -> No
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 65536)), hard))
     envoys = [cluster.pid(gateway, "envoy") for gateway in cluster.ready_pods("gateway")]
     through, failed, peak = asyncio.run(_many(cluster.grpc_url, envoys))
+    # Read before anything replaces a gateway pod: a failure must say how its calls ended.
+    counters = "; ".join([*(cluster.connection_counters(g) for g in cluster.ready_pods("gateway")),
+                          "this machine: " + ", ".join(tcp_counters())])
     direct, direct_failed, _ = asyncio.run(_many(f"{cluster.pod_ip(pods[0])}:8001", []))
     print(f"{CONNECTIONS} connections for {SECONDS:.0f}s: through the gateway "
           f"{_summary(through)}, {len(failed)} failed; directly to one Triton "
           f"{_summary(direct)}, {len(direct_failed)} failed; the gateway pods' peak RSS "
           f"{peak / 2**20:.0f} MiB")
-    assert failed == [], failed[:10]
+    assert failed == [], (f"{len(failed)} calls failed through the gateway: "
+                          f"{Counter(failed).most_common(5)}; {counters}")
     assert len(through) > CONNECTIONS  # every connection made calls
     assert peak < GATEWAY_MEMORY_LIMIT

@@ -99,6 +99,19 @@ class Cluster:
                                         if v is True)
         return found
 
+    def connection_counters(self, gateway: str) -> str:
+        """Why a gateway pod's client connections ended, for a failing test's message: its
+        Envoy's non-zero downstream, HTTP/2 and overload counters and its namespace's TCP
+        resets and aborts (whatever sent a reset leaves a trace in one of them)."""
+        namespace = ["ip", "netns", "exec", f"srk-{gateway}"]
+        stats = subprocess.run([*namespace, "wget", "-q", "-O-", "http://127.0.0.1:9901/stats"],
+                               capture_output=True, text=True, timeout=10, check=False).stdout
+        envoy = [line for line in stats.splitlines()
+                 if re.search(r"downstream_cx_destroy|downstream_cx_overflow|http2\.|overload\.|"
+                              r"keepalive|downstream_rq_rx_reset|cx_protocol_error", line)
+                 and not line.endswith(": 0") and "refresh_interval_delay" not in line]
+        return f"{gateway}: " + ", ".join(envoy + tcp_counters(namespace))
+
     def settled(self, tritons: int, timeout_s: float = 300) -> list[str]:
         """Waits until `tritons` GPU pods are ready and every ready gateway pod's Envoy has
         each of them, healthy (the DNS cache can take its TTL); returns the GPU pods."""
@@ -141,6 +154,15 @@ class Cluster:
             if match:
                 state[match.group(1)] = match.group(2) == "ready"
         return sorted(p for p, ready in state.items() if ready)
+
+
+def tcp_counters(namespace: list[str] | None = None) -> list[str]:
+    """A network namespace's non-zero TCP reset and abort counters (this machine's: None)."""
+    done = subprocess.run([*(namespace or []), "nstat", "-az", "TcpEstabResets", "TcpOutRsts",
+                           "TcpExtTCPAbort*", "TcpExtListen*"],
+                          capture_output=True, text=True, timeout=10, check=False)
+    return [" ".join(line.split()[:2]) for line in done.stdout.splitlines()
+            if line[:1].isalpha() and line.split()[1:2] != ["0"]]
 
 
 @contextmanager
