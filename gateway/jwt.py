@@ -33,7 +33,7 @@ from typing import Any
 import yaml
 
 from gateway.routes import ROOT
-from tools.generated import write_or_check
+from tools.generated import write_or_check_sites
 
 FILTER_NAME = "sonic-ray.jwt"
 JWT_AUTHN_FILE = "jwt-authn.yaml"
@@ -133,12 +133,6 @@ def render_shipped() -> str:
 SITE_FILES = ("jwt.env", "jwks.json")
 
 
-def site_folders() -> list[Path]:
-    """Every overlay (and fixture) with a jwt.env."""
-    return sorted(p.parent for base in (ROOT / "overlays", ROOT / "tests" / "fixtures")
-                  for p in base.rglob(SITE_FILES[0]))
-
-
 def render_site(folder: Path) -> str:
     from local_stack.settings import env_file
 
@@ -157,11 +151,8 @@ def render_site(folder: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    failed = write_or_check(SHIPPED, render_shipped(), argv, __doc__, "make gateway-config")
-    for folder in site_folders():
-        failed |= write_or_check(folder / JWT_AUTHN_FILE, render_site(folder), argv, __doc__,
-                                 "make gateway-config")
-    return failed
+    return write_or_check_sites(SHIPPED, render_shipped, SITE_FILES[0], JWT_AUTHN_FILE,
+                                render_site, argv, __doc__)
 
 
 if __name__ == "__main__":

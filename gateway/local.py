@@ -18,23 +18,12 @@ from typing import Any
 
 import yaml
 
-from gateway import tls
-from gateway.routes import (
-    CONTROL_PLANE_CLUSTER,
-    GRPC_CLUSTER,
-    GRPC_LISTENER,
-    HTTP_CLUSTER,
-    HTTP_LISTENER,
-    discovery_source,
-    file_access_logs,
-    http_filters,
-    named,
-)
+from gateway import routes, tls
 from local_stack.settings import Settings
 
 HERE = Path(__file__).resolve().parent
 CONFIG = HERE / "envoy.yaml"
-CLUSTER = GRPC_CLUSTER
+CLUSTER = routes.GRPC_CLUSTER
 MOUNTED_AT = tls.MOUNTED_AT
 
 
@@ -48,7 +37,7 @@ def _socket(address: dict[str, Any]) -> dict[str, Any]:
 
 
 def _lua_filters(config: dict[str, Any]) -> list[dict[str, Any]]:
-    return [f["typed_config"]["default_source_code"] for f in http_filters(config)
+    return [f["typed_config"]["default_source_code"] for f in routes.http_filters(config)
             if f.get("name") == "envoy.filters.http.lua"]
 
 
@@ -57,7 +46,7 @@ def with_files_here(config: dict[str, Any], folder: Path = HERE) -> dict[str, An
     for source in _lua_filters(config):
         if str(source.get("filename", "")).startswith(MOUNTED_AT + "/"):
             source["filename"] = str(HERE / Path(source["filename"]).name)
-    for source in filter(None, map(discovery_source, http_filters(config))):
+    for source in filter(None, map(routes.discovery_source, routes.http_filters(config))):
         if str(source["path"]).startswith(MOUNTED_AT + "/"):
             source["path"] = str(folder / Path(source["path"]).name)
             source["watched_directory"] = {"path": str(folder)}
@@ -97,32 +86,33 @@ def local_config(settings: Settings, endpoints_file: Path, http_endpoints_file: 
     config: dict[str, Any] = with_files_here(
         yaml.safe_load(config_path(settings).read_text()), jwt_folder(endpoints_file))
     if access_log is not None:
-        for log in file_access_logs(config):
+        for log in routes.file_access_logs(config):
             log["path"] = str(access_log)
     if settings.tls:
         if certificates is None:
             raise ValueError("TLS is on: the certificates' folder is needed")
         with_certificates_at(config, certificates)
     _socket(config["admin"]["address"])["port_value"] = settings.gateway_admin_port
-    _socket(named(config, "listeners", GRPC_LISTENER)["address"])["port_value"] = (
+    _socket(routes.named(config, "listeners", routes.GRPC_LISTENER)["address"])["port_value"] = (
         settings.grpc_port)
-    _socket(named(config, "listeners", HTTP_LISTENER)["address"])["port_value"] = (
+    _socket(routes.named(config, "listeners", routes.HTTP_LISTENER)["address"])["port_value"] = (
         settings.http_port)
-    _socket(named(config, "listeners", "metrics")["address"])["port_value"] = (
+    _socket(routes.named(config, "listeners", "metrics")["address"])["port_value"] = (
         settings.gateway_metrics_port)
-    admin = named(config, "clusters", "envoy-admin")["load_assignment"]["endpoints"][0][
+    admin = routes.named(config, "clusters", "envoy-admin")["load_assignment"]["endpoints"][0][
         "lb_endpoints"][0]
     _socket(admin["endpoint"]["address"])["port_value"] = settings.gateway_admin_port
     # The control plane's answer on this machine's port of the Ray head.
-    control_plane = named(config, "clusters", CONTROL_PLANE_CLUSTER)
+    control_plane = routes.named(config, "clusters", routes.CONTROL_PLANE_CLUSTER)
     control_plane.pop("cluster_type", None)
     control_plane["type"] = "STATIC"
     _socket(control_plane["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"][
         "address"]).update(address="127.0.0.1", port_value=settings.admission_port)
     # Discovery from a file needs the node named.
     config["node"] = {"id": "local", "cluster": "sonic-ray-gateway"}
-    for name, path in ((GRPC_CLUSTER, endpoints_file), (HTTP_CLUSTER, http_endpoints_file)):
-        cluster = named(config, "clusters", name)
+    for name, path in ((routes.GRPC_CLUSTER, endpoints_file),
+                       (routes.HTTP_CLUSTER, http_endpoints_file)):
+        cluster = routes.named(config, "clusters", name)
         for key in ("load_assignment", "cluster_type"):
             cluster.pop(key, None)
         cluster["type"] = "EDS"

@@ -32,7 +32,7 @@ from typing import Any
 import yaml
 
 from gateway.routes import ROOT
-from tools.generated import write_or_check
+from tools.generated import write_or_check_sites
 
 FILTER_NAME = "sonic-ray.tenant-shares"
 SHARES_FILE = "tenant-shares.yaml"
@@ -152,12 +152,6 @@ def render_shipped() -> str:
             "# replaces it).\n" + yaml.safe_dump(document({}), sort_keys=False))
 
 
-def site_folders() -> list[Path]:
-    """Every overlay (and fixture) with a tenant-shares.env."""
-    return sorted(p.parent for base in (ROOT / "overlays", ROOT / "tests" / "fixtures")
-                  for p in base.rglob(SITE_SOURCE))
-
-
 def render_site(folder: Path) -> str:
     from local_stack.settings import env_file
 
@@ -173,11 +167,8 @@ def render_site(folder: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    failed = write_or_check(SHIPPED, render_shipped(), argv, __doc__, "make gateway-config")
-    for folder in site_folders():
-        failed |= write_or_check(folder / SHARES_FILE, render_site(folder), argv, __doc__,
-                                 "make gateway-config")
-    return failed
+    return write_or_check_sites(SHIPPED, render_shipped, SITE_SOURCE, SHARES_FILE, render_site,
+                                argv, __doc__)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import socket
 import struct
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -210,42 +210,52 @@ async def mixed_load(cluster: Cluster, stop: asyncio.Event, calls: Calls, grpc_c
     few responses; each client on a connection of its own through the Service IP, pausing
     `pause_s` after each unary call (0: back to back, as much as 2 cores carry)."""
 
+    async def unary_loop(kind: str, call: Callable[[], Awaitable[object]],
+                         failures: tuple[type[Exception], ...],
+                         describe: Callable[[Exception], str]) -> None:
+        while not stop.is_set():
+            started = time.monotonic()
+            try:
+                await call()
+                calls.add(kind, started, "OK")
+            except failures as error:
+                calls.add(kind, started, describe(error))
+                await asyncio.sleep(0.05)
+            if pause_s:
+                await asyncio.sleep(pause_s)
+
+    def grpc_status(error: Exception) -> str:
+        assert isinstance(error, InferenceServerException)
+        return f"{error.status()}: {error.message()}"
+
     async def grpc_caller() -> None:
         client = tc_aio.InferenceServerClient(cluster.grpc_url, channel_args=OWN_CONNECTION)
+
+        async def infer() -> None:
+            inputs = ([tensor("SECONDS", np.array([slow_s], dtype=np.float32), "FP32")]
+                      if model == "slow" else _simple())
+            await client.infer(model, inputs, client_timeout=deadline_s)
+
         try:
-            while not stop.is_set():
-                started = time.monotonic()
-                inputs = ([tensor("SECONDS", np.array([slow_s], dtype=np.float32), "FP32")]
-                          if model == "slow" else _simple())
-                try:
-                    await client.infer(model, inputs, client_timeout=deadline_s)
-                    calls.add("grpc", started, "OK")
-                except InferenceServerException as error:
-                    calls.add("grpc", started, f"{error.status()}: {error.message()}")
-                    await asyncio.sleep(0.05)
-                if pause_s:
-                    await asyncio.sleep(pause_s)
+            await unary_loop("grpc", infer, (InferenceServerException,), grpc_status)
         finally:
             await client.close()
 
     async def http_caller() -> None:
         client = http_aio.InferenceServerClient(cluster.http_url, conn_limit=1)
+
+        async def infer() -> None:
+            ones = np.ones((1, 16), dtype=np.int32)
+            inputs = [http_aio.InferInput("INPUT0", [1, 16], "INT32"),
+                      http_aio.InferInput("INPUT1", [1, 16], "INT32")]
+            for item in inputs:
+                item.set_data_from_numpy(ones, binary_data=False)
+            await client.infer("simple", inputs, timeout=int(deadline_s))
+
         try:
-            while not stop.is_set():
-                started = time.monotonic()
-                ones = np.ones((1, 16), dtype=np.int32)
-                inputs = [http_aio.InferInput("INPUT0", [1, 16], "INT32"),
-                          http_aio.InferInput("INPUT1", [1, 16], "INT32")]
-                for item in inputs:
-                    item.set_data_from_numpy(ones, binary_data=False)
-                try:
-                    await client.infer("simple", inputs, timeout=int(deadline_s))
-                    calls.add("http", started, "OK")
-                except (InferenceServerException, aiohttp.ClientError, OSError) as error:
-                    calls.add("http", started, f"{type(error).__name__}: {error}")
-                    await asyncio.sleep(0.05)
-                if pause_s:
-                    await asyncio.sleep(pause_s)
+            await unary_loop("http", infer,
+                             (InferenceServerException, aiohttp.ClientError, OSError),
+                             lambda error: f"{type(error).__name__}: {error}")
         finally:
             await client.close()
 
