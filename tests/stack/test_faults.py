@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from tritonclient.grpc import service_pb2
 from tritonclient.utils import InferenceServerException
 
+from local_stack.polling import until
 from tests.stack.conftest import MESSAGE_LIMIT, Stack
 from tests.support.load import Outcome, load
 
@@ -118,10 +119,8 @@ def test_client_cancelling_a_stream_cancels_it_in_triton(stack: Stack) -> None:
         assert error is None
     client.stop_stream(cancel_requests=True)
     marker = stack.model_repository / "stream_cancel" / "cancelled" / "cancel-1"
-    deadline = time.monotonic() + 15
-    while not marker.exists() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert marker.exists(), "Triton kept streaming after the client cancelled"
+    until("Triton to stop streaming after the client cancelled", marker.exists, 15,
+          every_s=0.1)
     assert int(marker.read_text()) < 100
 
 

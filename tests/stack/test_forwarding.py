@@ -17,6 +17,7 @@ from google.protobuf import json_format
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
+from local_stack.polling import until
 from local_stack.triton_inputs import simple_inputs, tensor
 from tests.stack.conftest import ADMIN_METADATA, Stack
 
@@ -175,9 +176,8 @@ def test_client_deadline_reaches_triton(stack: Stack) -> None:
                      request_id="deadline-1", client_timeout=1.0)
     assert caught.value.status() == "StatusCode.DEADLINE_EXCEEDED"
     marker = stack.model_repository / "slow" / "cancelled" / "deadline-1"
-    while not marker.exists() and time.monotonic() - started < 10:
-        time.sleep(0.1)
-    assert marker.exists(), "Triton never saw the request end at the client's deadline"
+    until("Triton to see the request end at the client's deadline", marker.exists,
+          10 - (time.monotonic() - started), every_s=0.1)
     assert float(marker.read_text()) < 5
 
 

@@ -4,6 +4,7 @@ data from the real exporters (tests/unit/test_observability_files.py checks the 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import urllib.parse
@@ -16,6 +17,7 @@ import pytest
 import tritonclient.grpc as tc
 from tritonclient.utils import InferenceServerException
 
+from local_stack.polling import until
 from local_stack.triton_inputs import simple_inputs
 from observability import dashboard
 from tests.stack.conftest import Stack
@@ -69,13 +71,15 @@ def _calls(stack: Stack) -> None:
 def _poll_for_data(prometheus: str, exprs: dict[str, str]) -> dict[str, str]:
     """Each expression's query, polled until it returns a series; what never did, and why."""
     missing = dict(exprs)
-    deadline = time.monotonic() + 90
-    while missing and time.monotonic() < deadline:
+
+    def found() -> object:
         for name, expr in list(missing.items()):
             if _query(prometheus, expr):
                 del missing[name]
-        if missing:
-            time.sleep(2)
+        return not missing or sorted(missing)
+
+    with contextlib.suppress(TimeoutError):
+        until("a series for each query", found, 90, every_s=2)
     return missing
 
 

@@ -12,6 +12,7 @@ import tritonclient.grpc.aio as tc_aio
 from tritonclient.utils import InferenceServerException
 
 from local_stack.harness import RunningStack
+from local_stack.polling import until
 from local_stack.ray_cluster import replicas
 from local_stack.triton_inputs import simple_inputs, tensor
 
@@ -65,10 +66,8 @@ def scale_cycle(running: RunningStack, load_s: float = 25, watch_s: float = 60,
                 callers: int = 12) -> tuple[list[tuple[float, int]], list[Outcome]]:
     """Waits for one running replica, loads the slow model with `callers` for `load_s`, and
     records the running replicas every second for `watch_s`."""
-    settle_by = time.monotonic() + 120
-    while _running(running) != 1:
-        assert time.monotonic() < settle_by, "never settled at one replica"
-        time.sleep(0.5)
+    until("one running replica", lambda: (count := _running(running)) == 1
+          or f"{count} running", 120, every_s=0.5)
     timeline: list[tuple[float, int]] = []
 
     async def cycle() -> list[Outcome]:
