@@ -1,7 +1,7 @@
 """The front door with TLS and client certificates (components/tls, components/mtls) end to
 end: a stack of its own started as `make local TLS=1 MTLS=1` with a subject allow-list, the
-files its ready lines name, Triton's HTTP example client unchanged with its TLS flags, and
-tritonclient's gRPC client with the flags Triton's gRPC example passes on (ssl,
+files its ready lines name, Triton's HTTP and gRPC example clients unchanged with their TLS
+flags, and tritonclient's gRPC client with the flags Triton's gRPC example passes on (ssl,
 root_certificates, private_key, certificate_chain)."""
 
 from __future__ import annotations
@@ -102,6 +102,17 @@ def test_the_http_example_client_passes_with_its_tls_flags(tls_stack: TlsStack) 
          "--cert-file", str(f.client_cert), "--key-file", str(f.client_key)],
         capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, f"{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
+
+
+def test_the_grpc_example_client_passes_with_its_tls_flags(tls_stack: TlsStack) -> None:
+    f = tls_stack.files
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / "simple_grpc_infer_client.py"),
+         "-u", f"localhost:{tls_stack.grpc_port}", "--ssl", "--root-certificates", str(f.ca),
+         "--private-key", str(f.client_key), "--certificate-chain", str(f.client_cert)],
+        capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0 and "PASS: infer" in done.stdout, (
+        f"{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
 
 
 def test_grpc_with_the_printed_files_infers(tls_stack: TlsStack) -> None:
