@@ -4,7 +4,8 @@ For each mode asked for (the gateway, the Serve path, or one of the Serve path's
 variants), starts the local stack (real Triton, real Serve, real Envoy), then for every protocol,
 request size and concurrency alternates direct-Triton and through-the-path measurements with the
 same client (tritonclient.grpc.aio; tritonclient.http.aio for Triton's HTTP API: small JSON and
-1 MiB binary tensors), repeated so that machine noise cancels. Prints a table (req/s,
+1 MiB binary tensors), repeated so that machine noise cancels; with the gateway's TLS
+(gateway-tls), also a Triton serving gRPC with its own TLS. Prints a table (req/s,
 p50, p99, ratio to direct), the CPU seconds per 1000 requests spent by Envoy, by Ray's processes,
 by Triton and by the client, and how busy the machine's cores were (on a machine where all of
 them share the cores, a path whose cells run at 100% is CPU-bound: its ratio is the ratio of
@@ -18,12 +19,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
+import secrets
 import ssl
 import statistics
+import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -32,10 +37,15 @@ import tritonclient.grpc as tc
 import tritonclient.grpc.aio as tc_aio
 import tritonclient.http as httpclient
 import tritonclient.http.aio as http_aio
+from tritonclient.utils import InferenceServerException
 
+from local_stack import triton
 from local_stack.harness import TLS_LINE, RunningStack, running_stack
-from local_stack.processes import session_members
+from local_stack.polling import until
+from local_stack.ports import free_ports
+from local_stack.processes import session_members, spawn
 from local_stack.ray_cluster import replicas
+from local_stack.settings import TritonPorts
 from local_stack.triton_inputs import simple_inputs, tensor
 
 RESULTS = Path(__file__).resolve().parent.parent / "bench-results"
@@ -76,7 +86,9 @@ class Cell:
     protocol: str
     size: str
     concurrency: int
-    path: str  # "direct", "through" (the mode's data path) or "replica" (its own port)
+    # "direct", "through" (the mode's data path), "replica" (its own port) or "direct-tls"
+    # (a Triton of its own serving gRPC with TLS, Triton's --grpc-use-ssl)
+    path: str
     rps: float
     p50_ms: float
     p99_ms: float
@@ -233,63 +245,118 @@ async def _measure_http(url: str, size: str, concurrency: int, seconds: float,
 MEASURE = {"grpc": _measure, "http": _measure_http}
 
 
+@contextmanager
+def _triton_with_tls(running: RunningStack, ca: Path) -> Iterator[tuple[str, int]]:
+    """A second Triton on the stack's models serving gRPC with TLS (the stack's server
+    certificate, signed by `ca`), as a site without a gateway would: its address and pid."""
+    server = ca.parent.parent / "server"
+    grpc, http, metrics = free_ports(3)
+    with tempfile.TemporaryDirectory(prefix="sonic-ray-bench-") as work:
+        cmd = triton.command(running.model_repository,
+                             triton.prepare_backends(Path(work) / "backends"),
+                             TritonPorts(http=http, grpc=grpc, metrics=metrics),
+                             secrets.token_hex(16),
+                             ("--grpc-use-ssl=true", f"--grpc-server-cert={server / 'tls.crt'}",
+                              f"--grpc-server-key={server / 'tls.key'}"))
+        process = spawn(cmd, Path(work) / "triton-tls.log", triton.environment())
+        url = f"localhost:{grpc}"
+
+        def ready() -> object:
+            if process.poll() is not None:
+                raise RuntimeError(f"the TLS Triton exited ({process.returncode}): "
+                                   + (Path(work) / "triton-tls.log").read_text()[-2000:])
+            try:
+                client = tc.InferenceServerClient(url, ssl=True, root_certificates=str(ca))
+                return bool(client.is_model_ready("identity_fp32")) or "models loading"
+            except InferenceServerException as error:
+                return str(error)
+
+        try:
+            until("the TLS Triton ready", ready, 120, every_s=1)
+            yield url, process.pid
+        finally:
+            process.terminate()
+            process.wait(timeout=30)
+
+
 def run_mode(mode: str, protocols: list[str], sizes: list[str], concurrencies: list[int],
              seconds: float, repeats: int) -> list[Cell]:
-    cells: list[Cell] = []
-    with running_stack(MODES[mode]) as running:
+    with running_stack(MODES[mode]) as running, contextlib.ExitStack() as extra:
         stack = running.process
-        # With TLS the clients' endpoint is called as a client of `make local TLS=1` does.
+        # With TLS the clients' endpoint is called as a client of `make local TLS=1` does,
+        # and beside direct Triton in clear a Triton with its own TLS is measured.
         ca = (Path(stack.wait_for_line(TLS_LINE, timeout_s=5).group(1))
               if MODES[mode].get("TLS") == "1" else None)
+        tls_triton = extra.enter_context(_triton_with_tls(running, ca)) if ca else None
         # Each process the stack starts leads a session of its own.
-        ray_sids = [stack.ray_pid(), *stack.pids(r"pod \d+: Ray node started \(pid (\d+)\)")]
-        envoy_sids = stack.pids(r"Envoy started \(pid (\d+)\)")
-        triton_sid = stack.triton_pid()
+        sids = Sessions(ray=[stack.ray_pid(),
+                             *stack.pids(r"pod \d+: Ray node started \(pid (\d+)\)")],
+                        envoy=stack.pids(r"Envoy started \(pid (\d+)\)"),
+                        triton=stack.triton_pid())
         replica = _replica_grpc_port(running)
         _wait_until_quiet()
         only = MODE_CELLS.get(mode)
+        cells: list[Cell] = []
         for protocol, size, concurrency in (
                 (p, s, c) for p in protocols for s in sizes for c in concurrencies
                 if (p == "grpc" or s in HTTP_SIZES)
                 and (only is None or (p in only[0] and s in only[1] and c in only[2]))):
             direct, through = PORTS[protocol]
-            urls = {"direct": running.url(direct), "through": running.url(through)}
+            # Each path: its address, the CA to trust (None: in clear), its Triton's session.
+            urls = {"direct": (running.url(direct), None, sids.triton),
+                    "through": (running.url(through), ca, sids.triton)}
             if replica and protocol == "grpc":
-                urls["replica"] = f"localhost:{replica}"
+                urls["replica"] = (f"localhost:{replica}", None, sids.triton)
+            if tls_triton and protocol == "grpc":
+                urls["direct-tls"] = (tls_triton[0], ca, tls_triton[1])
             samples: dict[str, list[Sample]] = {path: [] for path in urls}
             for _ in range(repeats):
-                for path, url in urls.items():
-                    env0, ray0 = _cpu_s(envoy_sids), _cpu_s(ray_sids)
+                for path, (url, trusted, triton_sid) in urls.items():
+                    env0, ray0 = _cpu_s(sids.envoy), _cpu_s(sids.ray)
                     tri0, own0, machine0 = _cpu_s([triton_sid]), _own_cpu_s(), _machine_ticks()
                     started = time.monotonic()
                     count, latencies, errors = asyncio.run(MEASURE[protocol](
-                        url, size, concurrency, seconds, ca if path == "through" else None))
+                        url, size, concurrency, seconds, trusted))
                     elapsed = time.monotonic() - started
                     busy = _busy_share(machine0, _machine_ticks())
                     samples[path].append(Sample(
-                        count / elapsed, latencies, errors, _cpu_s(envoy_sids) - env0,
-                        _cpu_s(ray_sids) - ray0, _cpu_s([triton_sid]) - tri0,
+                        count / elapsed, latencies, errors, _cpu_s(sids.envoy) - env0,
+                        _cpu_s(sids.ray) - ray0, _cpu_s([triton_sid]) - tri0,
                         _own_cpu_s() - own0, busy))
             for path, runs in samples.items():
-                latencies = sorted(x for run in runs for x in run.latencies) or [float("nan")]
-                done = sum(len(run.latencies) for run in runs) or 1
-                cells.append(Cell(
-                    mode=mode, protocol=protocol, size=size, concurrency=concurrency, path=path,
-                    rps=statistics.median(run.rps for run in runs),
-                    p50_ms=1000 * latencies[len(latencies) // 2],
-                    p99_ms=1000 * latencies[min(len(latencies) - 1, int(len(latencies) * .99))],
-                    errors=sum(run.errors for run in runs),
-                    envoy_cpu_s_per_1k=1000 * sum(run.envoy_cpu_s for run in runs) / done,
-                    ray_cpu_s_per_1k=1000 * sum(run.ray_cpu_s for run in runs) / done,
-                    triton_cpu_s_per_1k=1000 * sum(run.triton_cpu_s for run in runs) / done,
-                    client_cpu_s_per_1k=1000 * sum(run.client_cpu_s for run in runs) / done,
-                    machine_busy=statistics.median(run.machine_busy for run in runs),
-                ))
+                cells.append(_cell(mode, protocol, size, concurrency, path, runs))
             latest = {c.path: c for c in cells[-len(urls):]}
             print(f"  {mode:24} {protocol:4} {size:6} c={concurrency:<3} " + " ".join(
                 f"{path} {c.rps:8.1f} req/s ({c.rps / latest['direct'].rps:4.2f})"
                 for path, c in latest.items()), flush=True)
     return cells
+
+
+@dataclass
+class Sessions:
+    """The sessions whose CPU a cell counts: Ray's processes, the Envoys, the stack's Triton."""
+
+    ray: list[int]
+    envoy: list[int]
+    triton: int
+
+
+def _cell(mode: str, protocol: str, size: str, concurrency: int, path: str,
+          runs: list[Sample]) -> Cell:
+    latencies = sorted(x for run in runs for x in run.latencies) or [float("nan")]
+    done = sum(len(run.latencies) for run in runs) or 1
+    return Cell(
+        mode=mode, protocol=protocol, size=size, concurrency=concurrency, path=path,
+        rps=statistics.median(run.rps for run in runs),
+        p50_ms=1000 * latencies[len(latencies) // 2],
+        p99_ms=1000 * latencies[min(len(latencies) - 1, int(len(latencies) * .99))],
+        errors=sum(run.errors for run in runs),
+        envoy_cpu_s_per_1k=1000 * sum(run.envoy_cpu_s for run in runs) / done,
+        ray_cpu_s_per_1k=1000 * sum(run.ray_cpu_s for run in runs) / done,
+        triton_cpu_s_per_1k=1000 * sum(run.triton_cpu_s for run in runs) / done,
+        client_cpu_s_per_1k=1000 * sum(run.client_cpu_s for run in runs) / done,
+        machine_busy=statistics.median(run.machine_busy for run in runs),
+    )
 
 
 def _replica_grpc_port(running: RunningStack) -> int | None:
@@ -329,6 +396,11 @@ def _listening_ports(pid: int) -> set[int]:
     return ports
 
 
+# How a row other than the data path's own is named in the table (ratios are to direct Triton
+# in clear).
+PATH_LABELS = {"replica": " (replica port)", "direct-tls": " (no gateway: Triton's own TLS)"}
+
+
 def table(cells: list[Cell]) -> str:
     direct = {(c.mode, c.protocol, c.size, c.concurrency): c for c in cells
               if c.path == "direct"}
@@ -342,7 +414,7 @@ def table(cells: list[Cell]) -> str:
             continue
         d = direct[(c.mode, c.protocol, c.size, c.concurrency)]
         lines.append(
-            f"| {c.mode}{'' if c.path == 'through' else ' (' + c.path + ' port)'} | "
+            f"| {c.mode}{PATH_LABELS.get(c.path, '')} | "
             f"{c.protocol} | {c.size} | "
             f"{c.concurrency} | {d.rps:.0f} | {c.rps:.0f} | "
             f"{c.rps / d.rps:.2f} | {d.p50_ms:.2f}/{d.p99_ms:.1f} | {c.p50_ms:.2f}/{c.p99_ms:.1f} | "
