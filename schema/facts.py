@@ -570,11 +570,12 @@ def _serve_facts(facts: Facts, spec: dict[str, Any]) -> _Serve:
     facts.put("forwarderApplications", 1 if app else 0, "spec.serveConfigV2 applications")
     min_replicas = _int(auto.get("min_replicas", deployment.get("num_replicas", 1)))
     max_replicas = _int(auto.get("max_replicas", min_replicas))
-    # Zero replicas only where something starts one for the first call: the autoscaling
-    # policy reading the gateway's demand (serve/triton_pod/gateway_view.py).
-    reads_demand = bool(policy_kwargs(deployment).get("gateway_stats_url"))
-    facts.put("serveMinReplicas", max(min_replicas, 1) if reads_demand and min_replicas == 0
-              else min_replicas, f"{deployment_path}.autoscaling_config.min_replicas")
+    # Whether the autoscaling policy reads the gateway's demand (serve/triton_pod/gateway_view.py):
+    # the schema allows zero replicas only then.
+    facts.put("serveMinReplicas", {
+        "minReplicas": min_replicas,
+        "readsGatewayDemand": bool(policy_kwargs(deployment).get("gateway_stats_url")),
+    }, f"{deployment_path}.autoscaling_config.min_replicas (and policy_kwargs.gateway_stats_url)")
     facts.put("serveMaxMinusMinReplicas", _diff(max_replicas, min_replicas),
               f"{deployment_path}.autoscaling_config.max_replicas")
     facts.put("replicaResources", actor.get("resources") or {},
