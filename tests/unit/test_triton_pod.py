@@ -5,6 +5,7 @@ Serve's proxy context does not carry. Everything else runs against the real Trit
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from collections.abc import AsyncIterator
@@ -52,6 +53,18 @@ class FakeContext:
         self.trailing = metadata
 
 
+@contextlib.asynccontextmanager
+async def _running_fake_triton(
+    seen: list[Any], extra: dict[str, grpc.RpcMethodHandler] | None = None
+) -> AsyncIterator[int]:
+    """The stand-in Triton's port while it runs."""
+    server, port = await _fake_triton(seen, extra)
+    try:
+        yield port
+    finally:
+        await server.stop(None)
+
+
 async def _fake_triton(
     seen: list[Any], extra: dict[str, grpc.RpcMethodHandler] | None = None
 ) -> tuple[grpc.aio.Server, int]:
@@ -94,8 +107,7 @@ async def _fake_triton(
 def test_status_details_and_trailers_pass_unchanged() -> None:
     async def scenario() -> None:
         seen: list[Any] = []
-        server, port = await _fake_triton(seen)
-        try:
+        async with _running_fake_triton(seen) as port:
             forwarder = await started_forwarder(TritonPodArgs(triton_address=f"127.0.0.1:{port}"))
             ok = FakeContext([("x-job", "1"), ("application", "triton"), (TIMEOUT_KEY, "7.5")])
             reply = await forwarder.forward_unary(BY_NAME["ModelInfer"], b"abc", ok)
@@ -140,8 +152,6 @@ def test_status_details_and_trailers_pass_unchanged() -> None:
             assert got == [b"echo:1"]
             assert (broken.code, broken.details) == (
                 grpc.StatusCode.RESOURCE_EXHAUSTED, "Triton's stream gives up")
-        finally:
-            await server.stop(None)
 
     asyncio.run(scenario())
 
@@ -149,8 +159,7 @@ def test_status_details_and_trailers_pass_unchanged() -> None:
 def test_refused_rpc_never_reaches_triton_unless_allowed() -> None:
     async def scenario() -> None:
         seen: list[Any] = []
-        server, port = await _fake_triton(seen)
-        try:
+        async with _running_fake_triton(seen) as port:
             forwarder = await started_forwarder(TritonPodArgs(triton_address=f"127.0.0.1:{port}"))
             context = FakeContext([])
             await forwarder.forward_unary(BY_NAME["RepositoryModelLoad"], b"", context)
@@ -163,8 +172,6 @@ def test_refused_rpc_never_reaches_triton_unless_allowed() -> None:
             await allowed.forward_unary(BY_NAME["RepositoryModelLoad"], b"", context)
             # The fake Triton has no such method: the call went through to it.
             assert context.code == grpc.StatusCode.UNIMPLEMENTED
-        finally:
-            await server.stop(None)
 
     asyncio.run(scenario())
 
@@ -225,8 +232,7 @@ def test_bearer_tokens_let_in_only_their_holders(
 
     async def scenario() -> None:
         seen: list[Any] = []
-        server, port = await _fake_triton(seen)
-        try:
+        async with _running_fake_triton(seen) as port:
             forwarder = await started_forwarder(TritonPodArgs(triton_address=f"127.0.0.1:{port}"))
             for presented in ([], [("authorization", "Bearer wrong")],
                               [("authorization", "s3cret-analysis-token")]):
@@ -246,8 +252,6 @@ def test_bearer_tokens_let_in_only_their_holders(
             old = FakeContext([("authorization", "Bearer second-token")])
             await forwarder.forward_unary(BY_NAME["ModelInfer"], b"x", old)
             assert old.code == grpc.StatusCode.UNAUTHENTICATED
-        finally:
-            await server.stop(None)
 
     asyncio.run(scenario())
     logged = caplog.text + "".join(str(r.args) for r in caplog.records)
@@ -278,16 +282,13 @@ def test_allowed_admin_rpc_carries_the_admin_key_and_clients_cannot_forge_it(
             seen_headers.append(dict(context.invocation_metadata()))
             return b""
 
-        server, port = await _fake_triton(
-            seen, {"RepositoryModelLoad": grpc.unary_unary_rpc_method_handler(load)})
-        try:
+        async with _running_fake_triton(
+                seen, {"RepositoryModelLoad": grpc.unary_unary_rpc_method_handler(load)}) as port:
             forwarder = await started_forwarder(TritonPodArgs(
                 triton_address=f"127.0.0.1:{port}", allowed_admin_rpcs=["RepositoryModelLoad"]))
             forged = [("triton-grpc-protocol-sonic-ray-admin", "guessed")]
             await forwarder.forward_unary(BY_NAME["RepositoryModelLoad"], b"", FakeContext(forged))
             await forwarder.forward_unary(BY_NAME["ModelInfer"], b"", FakeContext(forged))
-        finally:
-            await server.stop(None)
 
     asyncio.run(scenario())
     (admin,), infer = seen_headers, seen[-1][1]
