@@ -261,12 +261,13 @@ def _triton_with_tls(running: RunningStack, ca: Path) -> Iterator[tuple[str, int
         process = spawn(cmd, Path(work) / "triton-tls.log", triton.environment())
         url = f"localhost:{grpc}"
 
+        client = tc.InferenceServerClient(url, ssl=True, root_certificates=str(ca))
+
         def ready() -> object:
             if process.poll() is not None:
                 raise RuntimeError(f"the TLS Triton exited ({process.returncode}): "
                                    + (Path(work) / "triton-tls.log").read_text()[-2000:])
             try:
-                client = tc.InferenceServerClient(url, ssl=True, root_certificates=str(ca))
                 return bool(client.is_model_ready("identity_fp32")) or "models loading"
             except InferenceServerException as error:
                 return str(error)
@@ -275,6 +276,7 @@ def _triton_with_tls(running: RunningStack, ca: Path) -> Iterator[tuple[str, int
             until("the TLS Triton ready", ready, 120, every_s=1)
             yield url, process.pid
         finally:
+            client.close()
             process.terminate()
             process.wait(timeout=30)
 

@@ -42,7 +42,7 @@ from gateway.tenant_shares import (
     parse_tenant_map,
     shares_of,
 )
-from schema.serve_app import policy_kwargs, triton_app
+from schema.serve_app import bounds_as_written, policy_kwargs, triton_app
 from triton_pod.access import ADMIN_HEADER, ADMIN_KEY_NAME, HTTP_ADMIN_HEADER, TOKENS_FILE_ENV
 from triton_pod.admission import PORT_ENV as ADMISSION_PORT_ENV
 from triton_pod.admission import SATURATED_ENV
@@ -563,13 +563,11 @@ def extract(rayservice: dict[str, Any], stream: list[dict[str, Any]] | None = No
 def _serve_facts(facts: Facts, spec: dict[str, Any]) -> _Serve:
     config = _serve_config(spec)
     app, deployment, app_path = triton_app(config)
-    auto = deployment.get("autoscaling_config") or {}
     actor = deployment.get("ray_actor_options") or {}
     deployment_path = f"{app_path}.deployments[0]"
     facts.put("serveConfigV2", spec.get("serveConfigV2") or "", "spec.serveConfigV2")
     facts.put("forwarderApplications", 1 if app else 0, "spec.serveConfigV2 applications")
-    min_replicas = _int(auto.get("min_replicas", deployment.get("num_replicas", 1)))
-    max_replicas = _int(auto.get("max_replicas", min_replicas))
+    min_replicas, max_replicas = (_int(v) for v in bounds_as_written(deployment))
     # Whether the autoscaling policy reads the gateway's demand (serve/triton_pod/gateway_view.py):
     # the schema allows zero replicas only then.
     facts.put("serveMinReplicas", {

@@ -31,18 +31,24 @@ def policy_kwargs(deployment: dict[str, Any]) -> dict[str, Any]:
     return kwargs if isinstance(kwargs, dict) else {}
 
 
+def bounds_as_written(deployment: dict[str, Any]) -> tuple[Any, Any]:
+    """The deployment's min_replicas and max_replicas as the config writes them (num_replicas
+    for both when it does not autoscale; Serve's defaults where left out)."""
+    auto = deployment.get("autoscaling_config")
+    if auto is None:
+        fixed = deployment.get("num_replicas", 1)
+        return fixed, fixed
+    low = auto.get("min_replicas", 1)
+    return low, auto.get("max_replicas", low)
+
+
 def replica_bounds(config: dict[str, Any]) -> tuple[int, int]:
-    """The GPU pods' min_replicas and max_replicas (num_replicas for both when the deployment
-    does not autoscale)."""
+    """The GPU pods' min_replicas and max_replicas."""
     app, deployment, _ = triton_app(config)
     if not app:
         raise NoTritonAppError(f"no application imports {APP_IMPORT_PATH}")
-    auto = deployment.get("autoscaling_config")
-    if auto is None:
-        fixed = int(deployment.get("num_replicas", 1))
-        return fixed, fixed
-    low = int(auto.get("min_replicas", 1))
-    return low, int(auto.get("max_replicas", low))
+    low, high = bounds_as_written(deployment)
+    return int(low), int(high)
 
 
 def with_policy_kwarg(config: dict[str, Any], key: str, value: str | None) -> dict[str, Any]:
