@@ -21,6 +21,7 @@ from local_stack.processes import spawn
 from local_stack.settings import SERVE_DIR, Settings, env_file
 from schema.serve_app import policy_kwargs, triton_app, with_policy_kwarg
 from triton_pod.access import ADMIN_KEY_ENV
+from triton_pod.admission import PATH as ADMISSION_PATH
 from triton_pod.pod import (
     TRITON_ADDRESS_ENV,
     TRITON_HTTP_ADDRESS_ENV,
@@ -221,3 +222,15 @@ def applications_running(dashboard: str, token: str) -> bool | str:
     if statuses and all(status == "RUNNING" for status in statuses.values()):
         return True
     return str(statuses)
+
+
+def policy_answers(head: str, port: int | str) -> bool | str:
+    """True once the autoscaling policy has decided the start-of-job gate's state at the
+    head's admission port (serve/triton_pod/admission.py), else why not."""
+    try:
+        with urllib.request.urlopen(f"http://{head}:{port}{ADMISSION_PATH}",
+                                    timeout=5) as response:
+            answer = json.load(response)
+    except (urllib.error.URLError, OSError, ValueError) as error:
+        return f"the policy's answer to the gateway: {error}"
+    return answer.get("state") != "unknown" or str(answer.get("reason"))

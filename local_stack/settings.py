@@ -35,6 +35,20 @@ def min_replicas(serve_config: dict[str, Any]) -> int:
         raise SystemExit(f"SERVE_CONFIG: {error}") from None
 
 
+# The RayService whose autoscaler removes idle GPU pods (autoscalerOptions.idleTimeoutSeconds).
+BASE_RAYSERVICE = ROOT / "base" / "rayservice.yaml"
+
+
+def base_idle_timeout_s() -> int:
+    """How long the Ray autoscaler leaves a GPU pod without a replica in the base's RayService."""
+    service = yaml.safe_load(BASE_RAYSERVICE.read_text())
+    options = service["spec"]["rayClusterConfig"].get("autoscalerOptions") or {}
+    if "idleTimeoutSeconds" not in options:
+        raise SystemExit(f"{BASE_RAYSERVICE}: spec.rayClusterConfig.autoscalerOptions has no "
+                         "idleTimeoutSeconds")
+    return int(options["idleTimeoutSeconds"])
+
+
 def int_env(env: Mapping[str, str], name: str, default: int, low: int | None = None,
             high: int | None = None) -> int:
     """A whole-number variable (its default when unset), within [low, high] where given."""
@@ -145,6 +159,10 @@ class Settings:
     # Where the autoscaling policy reads an operator's pre-warm request (PREWARM_DIR; the
     # cluster's ConfigMap `prewarm`, serve/triton_pod/prewarm.py): the stack's own when unset.
     prewarm_dir: Path | None = None
+    # min_replicas 0 (gateway path): the simulated pods start and stop as Serve wants them
+    # (local_stack/autoscaler.py), a pod idle for pod_idle_s (POD_IDLE_S) going.
+    on_demand: bool = False
+    pod_idle_s: float = 60.0
 
     def triton(self, index: int) -> TritonPorts:
         """The ports of the Triton of simulated pod `index`."""
@@ -216,6 +234,8 @@ class Settings:
             tls=switch_env(env, "TLS"),
             mtls=switch_env(env, "MTLS"),
             prewarm_dir=Path(env["PREWARM_DIR"]).resolve() if env.get("PREWARM_DIR") else None,
+            on_demand=min_replicas(parsed) == 0,
+            pod_idle_s=int_env(env, "POD_IDLE_S", base_idle_timeout_s(), low=1, high=3600),
         )
         if settings.mtls and not settings.tls:
             raise SystemExit("MTLS=1 asks clients for certificates over TLS: add TLS=1")

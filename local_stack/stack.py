@@ -16,7 +16,9 @@ gateway path a pod is in discovery (the list Envoy balances over) while its Trit
 and Serve holds a replica on its node, as the headless Service lists a ready worker pod.
 `touch <workdir>/pods/<i>/delete` does to pod i's Triton what deleting the pod does: out of
 discovery, the preStop wait until Envoy has dropped it, SIGTERM (Triton completes its calls);
-then the pod's new Triton starts.
+then the pod's new Triton starts. With `min_replicas: 0` no pod runs at first: pods start and
+stop as Serve wants replicas (local_stack/autoscaler.py), up to TRITONS, idle ones going after
+POD_IDLE_S.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from gateway import jwt, tenant_shares
 from gateway import local as gateway
 from gateway.routes import HTTP_CLUSTER
 from local_stack import certificates, ports, prometheus, ray_cluster, triton
+from local_stack.autoscaler import PodOwner
 from local_stack.polling import until
 from local_stack.processes import (
     Supervisor,
@@ -53,7 +56,7 @@ from local_stack.processes import (
     set_parent_death_signal,
     terminate,
 )
-from local_stack.settings import Settings, min_replicas
+from local_stack.settings import Settings
 from triton_pod.access import ADMIN_KEY_ENV, TokenCheck
 from triton_pod.rpcs import SERVICE
 
@@ -198,7 +201,8 @@ class Discovery:
         for channel in self._channels.values():
             channel.close()
 
-    def _replica_pods(self) -> set[int]:
+    def replica_pods(self) -> set[int]:
+        """The pods where Serve runs a replica now (the autoscaler's view too)."""
         s = self._stack.settings
         try:
             found = ray_cluster.replicas(self._stack.dashboard, s.ray_token)
@@ -223,7 +227,7 @@ class Discovery:
             self._stack.check_deletions()
             if self._stack.jwks is not None:
                 self._stack.jwks.follow()
-            with_replica = self._replica_pods()
+            with_replica = self.replica_pods()
             ready = {i for i in with_replica
                      if not self._stack.tritons[i].retiring
                      and server_ready(s.triton(i).grpc, channel=self._channels[i]) is True}
@@ -248,18 +252,16 @@ class LocalStack:
         self.dashboard = f"http://127.0.0.1:{settings.dashboard_port}"
         # Opens Triton's restricted RPCs; only Triton, the forwarder and Envoy ever see it.
         self.admin_key = os.environ.get(ADMIN_KEY_ENV) or secrets.token_hex(16)
-        backends = triton.prepare_backends(self.workdir / "backends")
-        self.tritons = [
-            triton.TritonSupervisor(
-                i, triton.command(settings.model_repository, backends, settings.triton(i),
-                                  self.admin_key, settings.triton_args),
-                self.workdir / f"triton-{i}.log", say)
-            for i in range(settings.tritons)
-        ]
+        self._backends = triton.prepare_backends(self.workdir / "backends")
+        # Pod i's Triton; with pods on demand, a new one each time the pod starts.
+        self.tritons = [self._new_triton(i) for i in range(settings.tritons)]
         for i in range(settings.tritons):
             (self.workdir / "pods" / str(i)).mkdir(parents=True)
         self.ray: subprocess.Popen[bytes] | None = None
-        self.pod_nodes: list[subprocess.Popen[bytes]] = []
+        # Pod i's Ray node, while it runs.
+        self.pod_nodes: dict[int, subprocess.Popen[bytes]] = {}
+        self.autoscaler: PodOwner | None = None
+        self._stopping = threading.Event()
         self.envoy: Supervisor | None = None
         # The gateway's access log, apart from Envoy's own messages (envoy.log).
         self.access_log = self.workdir / "gateway-access.log"
@@ -269,9 +271,17 @@ class LocalStack:
         # With TLS=1: the CA, client certificate and key a client of this stack uses.
         self.client_tls: certificates.Files | None = None
 
+    def _new_triton(self, index: int) -> triton.TritonSupervisor:
+        s = self.settings
+        return triton.TritonSupervisor(
+            index, triton.command(s.model_repository, self._backends, s.triton(index),
+                                  self.admin_key, s.triton_args),
+            self.workdir / f"triton-{index}.log", say)
+
     def alive(self) -> None:
         for name, process in [("Ray", self.ray), ("Prometheus", self.prometheus),
-                              *((f"pod {i}'s Ray node", p) for i, p in enumerate(self.pod_nodes))]:
+                              *((f"pod {i}'s Ray node", p)
+                                for i, p in list(self.pod_nodes.items()))]:
             if process is not None and process.poll() is not None:
                 raise SystemExit(f"{name} exited with status {process.returncode}; "
                                  f"see the logs in {self.workdir}")
@@ -281,17 +291,23 @@ class LocalStack:
         say(f"data path: {s.data_path}; {s.tritons} simulated pod(s); "
             f"model repository: {s.model_repository}")
         self._start_ray()
-        # After Ray: a raylet has 30 s to register, which Tritons loading on two cores can eat.
-        for supervisor in self.tritons:
-            supervisor.start()
+        if not s.on_demand:
+            # After Ray: a raylet has 30 s to register, which Tritons loading on two cores can
+            # eat.
+            for supervisor in self.tritons:
+                supervisor.start()
         if s.data_path == "gateway":
             self._start_gateway()
         self._deploy_serve()
-        _wait("the Tritons to load their models",
-              lambda: all(server_ready(s.triton(i).grpc) is True for i in range(s.tritons))
-              or "not every Triton is ready", READY_TIMEOUT_S, self.alive)
-        say(f"Triton has loaded its models; waiting for {s.client_port_owner} to answer")
-        self._wait_for_clients_endpoint()
+        if s.on_demand:
+            self._wait_for_control_plane()
+            self._start_autoscaler()
+        else:
+            _wait("the Tritons to load their models",
+                  lambda: all(server_ready(s.triton(i).grpc) is True for i in range(s.tritons))
+                  or "not every Triton is ready", READY_TIMEOUT_S, self.alive)
+            say(f"Triton has loaded its models; waiting for {s.client_port_owner} to answer")
+            self._wait_for_clients_endpoint()
         if s.observe:
             self._start_prometheus()
         self._print_endpoints()
@@ -306,13 +322,15 @@ class LocalStack:
         if s.jwt is not None:
             say(f"jwt: calls need `authorization: Bearer <JWT>` signed by a key of {s.jwks_file}, "
                 f"iss {s.jwt.issuer}, aud {','.join(s.jwt.audiences)}")
-        if min_replicas(yaml.safe_load(s.serve_config.read_text()) or {}) == 0:
-            say("min_replicas 0: this stack's simulated pods run from the start (they do not "
-                "start on demand here; make cluster's do) and leave the gateway's rotation "
-                "while Serve runs no replica on them")
         say(f"pre-warm: make prewarm PODS=<n> UNTIL=<time> DIR={s.prewarm_dir}")
-        say(f"{READY} Triton answers ServerReady through {s.client_port_owner} "
-            f"at localhost:{s.grpc_port}, and HTTP at localhost:{s.http_port}")
+        if s.on_demand:
+            say(f"{READY} the gateway answers at localhost:{s.grpc_port} (gRPC) and "
+                f"localhost:{s.http_port} (HTTP); no Triton runs (min_replicas 0): the first "
+                f"call starts a simulated GPU pod (up to {s.tritons}, TRITONS), its Triton "
+                "answering once ready; until then the gateway answers each call at once")
+        else:
+            say(f"{READY} Triton answers ServerReady through {s.client_port_owner} "
+                f"at localhost:{s.grpc_port}, and HTTP at localhost:{s.http_port}")
 
     def _start_ray(self) -> None:
         s = self.settings
@@ -322,8 +340,9 @@ class LocalStack:
 
         _wait("Ray to start", lambda: ray_cluster.dashboard_answers(self.dashboard, s.ray_token),
               180, self.alive)
-        for i in range(s.tritons):
-            self.pod_nodes.append(self._start_pod_node(i))
+        if not s.on_demand:
+            for i in range(s.tritons):
+                self.pod_nodes[i] = self._start_pod_node(i)
 
     def _start_pod_node(self, index: int) -> subprocess.Popen[bytes]:
         """One at a time, and again if it timed out registering on a busy machine."""
@@ -333,6 +352,9 @@ class LocalStack:
             node = ray_cluster.start_pod_node(s, index, self.workdir, self.admin_key)
             deadline = time.monotonic() + 120
             while node.poll() is None and time.monotonic() < deadline:
+                if self._stopping.is_set():
+                    terminate(node, grace_s=10)
+                    raise SystemExit("the stack is stopping")
                 if "Ray runtime started." in log.read_text(errors="replace"):
                     say(f"pod {index}: Ray node started (pid {node.pid}) beside Triton {index} "
                         f"(gRPC {s.triton(index).grpc})")
@@ -341,6 +363,53 @@ class LocalStack:
             terminate(node, grace_s=10)
             say(f"pod {index}: Ray node did not start (attempt {attempt + 1}); see {log}")
         raise SystemExit(f"pod {index}'s Ray node never started; see {log}")
+
+    def _start_autoscaler(self) -> None:
+        """Pods on demand (min_replicas 0): started and stopped as Serve wants replicas."""
+        s = self.settings
+        discovery = self.discovery
+        assert discovery is not None  # on_demand is the gateway path's (Settings)
+
+        def wanted() -> int | None:
+            try:
+                deployment = ray_cluster.deployment_of(
+                    ray_cluster.application(self.dashboard, s.ray_token))
+            except (urllib.error.URLError, OSError, ValueError):
+                return None
+            target = deployment.get("target_num_replicas")
+            return int(target) if target is not None else None
+
+        owner = self.autoscaler = PodOwner(
+            slots=s.tritons, idle_s=s.pod_idle_s, wanted=wanted,
+            holding=discovery.replica_pods, start_pod=self._start_pod,
+            stop_pod=self._stop_pod, say=say)
+
+        def run() -> None:
+            while not self._stopping.wait(1.0):
+                owner.step()
+
+        threading.Thread(target=run, name="autoscaler", daemon=True).start()
+
+    def _start_pod(self, index: int) -> Callable[[], object]:
+        """A GPU pod the autoscaler adds: its Ray node, then its Triton (a new container)."""
+        node = self._start_pod_node(index)
+        self.pod_nodes[index] = node
+        supervisor = self.tritons[index] = self._new_triton(index)
+        supervisor.start()
+        return node.wait
+
+    def _stop_pod(self, index: int) -> None:
+        """A GPU pod the autoscaler removes, holding no replica (so out of discovery): its
+        containers told at once, as the kubelet does."""
+        node = self.pod_nodes.pop(index, None)
+        stoppers = [self.tritons[index].stop]
+        if node is not None:
+            stoppers.append(functools.partial(terminate, node, grace_s=20))
+        threads = [threading.Thread(target=stopper, name="stopping") for stopper in stoppers]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
 
     def _start_gateway(self) -> None:
         s = self.settings
@@ -372,7 +441,7 @@ class LocalStack:
     def metrics_targets(self) -> dict[str, list[int]]:
         """Every exporter's port, by the name of the cluster's metrics Service."""
         s = self.settings
-        nodes = [n for n in [self.ray, *self.pod_nodes] if n is not None]
+        nodes = [n for n in [self.ray, *self.pod_nodes.values()] if n is not None]
         return {
             "triton-metrics": [s.triton(i).metrics for i in range(s.tritons)],
             "gateway-metrics": [s.gateway_metrics_port] if s.data_path == "gateway" else [],
@@ -394,6 +463,28 @@ class LocalStack:
             raise SystemExit(f"Ray refused the Serve config: {error.read().decode()}") from None
         except (urllib.error.URLError, OSError) as error:
             raise SystemExit(f"could not deploy the Serve config: {error}") from None
+
+    def _wait_for_control_plane(self) -> None:
+        """With no GPU pod (min_replicas 0): ready once Envoy is, Serve runs the application
+        and the policy answers the gateway's start-of-job gate. Never a call on the clients'
+        ports: the gateway would count it as demand and start a GPU pod."""
+        s = self.settings
+        admin = f"http://127.0.0.1:{s.gateway_admin_port}/ready"
+
+        def control_plane() -> Any:
+            try:
+                with urllib.request.urlopen(admin, timeout=2) as response:
+                    if response.status != 200:
+                        return f"Envoy's /ready: HTTP {response.status}"
+            except (urllib.error.URLError, OSError) as error:
+                return f"Envoy's /ready: {error}"
+            running = ray_cluster.applications_running(self.dashboard, s.ray_token)
+            if running is not True:
+                return running
+            return ray_cluster.policy_answers("127.0.0.1", s.admission_port)
+
+        _wait("the gateway and the control plane (no Triton at min_replicas 0)", control_plane,
+              READY_TIMEOUT_S, self.alive)
 
     def _wait_for_clients_endpoint(self) -> None:
         s = self.settings
@@ -491,6 +582,7 @@ class LocalStack:
 
     def stop(self) -> None:
         say("stopping")
+        self._stopping.set()
         if self.prometheus is not None and self.prometheus.poll() is None:
             terminate(self.prometheus, grace_s=10)
         if self.discovery is not None:
@@ -501,8 +593,8 @@ class LocalStack:
         stoppers: list[Callable[[], None]] = []
         if self.envoy is not None:
             stoppers.append(functools.partial(self.envoy.stop, grace_s=10))
-        stoppers += [functools.partial(terminate, node, grace_s=20) for node in self.pod_nodes
-                     if node.poll() is None]
+        stoppers += [functools.partial(terminate, node, grace_s=20)
+                     for node in list(self.pod_nodes.values()) if node.poll() is None]
         stoppers += [supervisor.stop for supervisor in self.tritons]
         threads = [threading.Thread(target=stopper, name="stopping") for stopper in stoppers]
         for thread in threads:

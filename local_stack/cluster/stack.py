@@ -57,7 +57,6 @@ from local_stack.settings import DEFAULT_MODELS, SERVE_DIR, int_env, min_replica
 from local_stack.stack import http_ready, server_ready
 from schema.serve_app import with_policy_kwarg
 from triton_pod.access import ADMIN_KEY_ENV, TOKENS_FILE_ENV
-from triton_pod.admission import PATH as ADMISSION_PATH
 from triton_pod.admission import PORT_ENV as ADMISSION_PORT_ENV
 
 SAID = "[cluster]"
@@ -676,13 +675,7 @@ class ClusterStack:
             running = ray_cluster.applications_running(cluster.dashboard, cluster.token)
             if running is not True:
                 return running
-            try:
-                with urllib.request.urlopen(f"http://{cluster.head.ip}:{port}{ADMISSION_PATH}",
-                                            timeout=5) as response:
-                    answer = json.load(response)
-            except (urllib.error.URLError, OSError, ValueError) as error:
-                return f"the policy's answer to the gateway: {error}"
-            return answer.get("state") != "unknown" or answer.get("reason")
+            return ray_cluster.policy_answers(cluster.head.ip, port)
 
         until("the gateway pods and the control plane (no GPU pod at min_replicas 0)",
               control_plane, READY_TIMEOUT_S, every_s=0.5, note=say)

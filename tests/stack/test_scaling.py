@@ -1,18 +1,13 @@
 """The Serve path's back-pressure and autoscaling, on a stack of its own with two simulated
-pods: small limits refuse an overload quickly, replicas follow Triton's queue time up and
-down without losing a call (the same policy as the gateway's, test_gateway.py), and an
-operator's pre-warm request holds replicas until its time passes."""
+pods: small limits refuse an overload quickly, and replicas follow Triton's queue time up and
+down without losing a call (the same policy as the gateway's, test_gateway.py; its pre-warm
+request is tested from zero pods in test_zero.py)."""
 
 from __future__ import annotations
 
 import asyncio
-import json
-import subprocess
 import time
-import urllib.parse
-import urllib.request
 from collections.abc import Iterator
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import numpy as np
@@ -22,8 +17,6 @@ import tritonclient.grpc.aio as tc_aio
 from tritonclient.utils import InferenceServerException
 
 from local_stack.harness import RunningStack, processes_left_behind, running_stack, serve_config_with
-from local_stack.polling import until
-from local_stack.ray_cluster import replicas
 from local_stack.triton_inputs import tensor
 from tests.stack.test_gateway import AUTOSCALING
 from tests.support.load import scale_cycle
@@ -36,7 +29,7 @@ def serve_pods(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStac
         deployment={"max_ongoing_requests": 2, "max_queued_requests": 8,
                     "graceful_shutdown_timeout_s": 20, "health_check_period_s": 2},
         autoscaling={**AUTOSCALING, "min_replicas": 1, "max_replicas": 2})
-    with running_stack({"DATA_PATH": "serve", "TRITONS": "2", "OBSERVE": "1",
+    with running_stack({"DATA_PATH": "serve", "TRITONS": "2",
                         "SERVE_CONFIG": str(config)}) as running:
         yield running
     assert not processes_left_behind(running.process)
@@ -87,47 +80,6 @@ def test_replicas_follow_tritons_queue_time_up_and_down(
     assert [s for _, s, _ in outcomes if s != "OK"] == []
     assert counts[0] == 1 and max(counts) == 2, timeline
     assert counts[-1] == 1, f"never scaled back down: {timeline}"
-
-
-# How long the request holds: long enough for a replica to start on this machine, short for
-# make test's budget (an operator asks for hours).
-PREWARM_S = 75
-
-
-def _running(stack: RunningStack) -> int:
-    dashboard = f"http://127.0.0.1:{stack.ports['RAY_DASHBOARD_PORT']}"
-    return sum(1 for r in replicas(dashboard, stack.ray_token) if r.get("state") == "RUNNING")
-
-
-def _prewarm_gauge(stack: RunningStack) -> float | None:
-    query = urllib.parse.urlencode({"query": "max (ray_sonic_ray_prewarm_pods)"})
-    with urllib.request.urlopen(f"http://{stack.url('PROMETHEUS_PORT')}/api/v1/query?{query}",
-                                timeout=10) as response:
-        result = json.load(response)["data"]["result"]
-    return float(result[0]["value"][1]) if result else None
-
-
-def test_a_prewarm_request_holds_its_pods_until_its_time_then_lets_go(
-        serve_pods: RunningStack) -> None:
-    until("one replica while idle", lambda: _running(serve_pods) == 1 or
-          f"{_running(serve_pods)} running", 120, every_s=1)
-    ends = datetime.now(UTC) + timedelta(seconds=PREWARM_S)
-    env = serve_pods.process.env
-    # The operator's command, on the stack's pre-warm directory and its Serve config's bounds.
-    done = subprocess.run(["make", "-s", "prewarm", "PODS=2", f"UNTIL={ends.isoformat()}",
-                           f"DIR={env['PREWARM_DIR']}", f"SERVE_CONFIG={env['SERVE_CONFIG']}"],
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    # No call is made: the request alone starts the second replica, before its time passes.
-    until("two replicas running, the dashboard's pre-warm floor at 2",
-          lambda: datetime.now(UTC) >= ends or (_running(serve_pods), _prewarm_gauge(
-              serve_pods)) == (2, 2.0) or f"{_running(serve_pods)} running, gauge "
-          f"{_prewarm_gauge(serve_pods)}", PREWARM_S, every_s=1)
-    assert datetime.now(UTC) < ends, "the second replica came only after the request's time"
-    until("back to one replica once the request's time passed, the floor at 0",
-          lambda: (datetime.now(UTC) > ends and (_running(serve_pods), _prewarm_gauge(
-              serve_pods)) == (1, 0.0)) or f"{_running(serve_pods)} running, gauge "
-          f"{_prewarm_gauge(serve_pods)}", PREWARM_S + 120, every_s=1)
 
 
 def test_scaled_stack_still_answers(serve_pods: RunningStack) -> None:

@@ -1,0 +1,231 @@
+"""From and to zero GPU pods on this machine (docs/data-paths.md, "From and to zero"), on a stack
+of its own: `min_replicas: 0`, so `make local` starts no Triton and is ready once the gateway
+and the control plane answer; its simulated pods start and stop as Serve wants replicas
+(local_stack/autoscaler.py), each with its own Ray node and Triton. Under load: the first calls
+answered at once, none held and none reaching a Triton that is not ready, 0 -> 2 pods, then
+idle back to 0 Tritons and 0 `triton` resources in Ray. Then an operator's pre-warm request
+starts 2 pods with no call made, on the dashboard's gauge, and lets them go after its time."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import subprocess
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+
+import numpy as np
+import pytest
+import tritonclient.grpc as tc
+import tritonclient.grpc.aio as tc_aio
+from tritonclient.utils import InferenceServerException
+
+from local_stack.harness import (
+    RunningStack,
+    leftover_processes,
+    processes_left_behind,
+    running_stack,
+    serve_config_with,
+)
+from local_stack.polling import until
+from local_stack.ray_cluster import application, deployment_of, triton_resources
+from local_stack.triton_inputs import tensor
+from tests.stack.test_gateway import AUTOSCALING
+
+# The gateway's words while no Triton is ready (gateway/client-checks.lua).
+NO_TRITON = "no Triton is ready behind this endpoint"
+# Answered by the gateway, not held: slower would be a call waiting for a pod.
+AT_ONCE_S = 1.0
+# A pod without a replica this long goes (POD_IDLE_S; the cluster's is a minute).
+IDLE_S = 10
+# Callers of the slow model, enough to queue in one Triton past the policy's target.
+CALLERS = 12
+LOAD_S = 45
+# How long the pre-warm request holds: two pods' start here with room to spare (an operator
+# asks for hours).
+PREWARM_S = 75
+
+
+@pytest.fixture(scope="module")
+def at_zero(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
+    config = serve_config_with(
+        tmp_path_factory.mktemp("serve-config"),
+        deployment={"graceful_shutdown_timeout_s": 20, "health_check_period_s": 2},
+        autoscaling={**AUTOSCALING, "min_replicas": 0, "max_replicas": 2,
+                     "downscale_to_zero_delay_s": 4},
+        policy_kwargs={"target_queue_ms_per_exec": 50})
+    with running_stack({"DATA_PATH": "gateway", "TRITONS": "2", "OBSERVE": "1",
+                        "POD_IDLE_S": str(IDLE_S), "SERVE_CONFIG": str(config)}) as running:
+        yield running
+    assert running.process.process.returncode == 0
+    assert not processes_left_behind(running.process)
+
+
+def _dashboard(stack: RunningStack) -> str:
+    return f"http://127.0.0.1:{stack.ports['RAY_DASHBOARD_PORT']}"
+
+
+def _tritons(stack: RunningStack) -> int:
+    """The stack's tritonserver processes (pods' Tritons running, ready or not), not their
+    python backend's stubs."""
+    return sum(1 for p in leftover_processes(stack.process)
+               if p.split(": ", 1)[1].split()[0].endswith("/tritonserver"))
+
+
+def _target(stack: RunningStack) -> int:
+    return int(deployment_of(application(_dashboard(stack), stack.ray_token)).get(
+        "target_num_replicas", -1))
+
+
+def _listed(stack: RunningStack) -> list[int]:
+    """The pods in the gateway's rotation, as the stack last said."""
+    found = [m.group(1) for line in stack.process.lines
+             if (m := re.search(r"gateway discovery: pods \[([\d, ]*)\]", line))]
+    return [int(p) for p in found[-1].split(",") if p.strip()] if found else []
+
+
+@dataclass
+class Sample:
+    at_s: int
+    target: int
+    tritons: int
+    listed: int
+    resources: int
+
+
+def _sample(stack: RunningStack, started: float) -> Sample:
+    return Sample(round(time.monotonic() - started), _target(stack), _tritons(stack),
+                  len(_listed(stack)), triton_resources(_dashboard(stack), stack.ray_token))
+
+
+def _at_zero(stack: RunningStack, timeline: list[Sample], started: float) -> bool | str:
+    sample = _sample(stack, started)
+    timeline.append(sample)
+    return (sample.tritons, sample.resources, sample.listed) == (0, 0, 0) or str(sample)
+
+
+@dataclass
+class Call:
+    started_s: float
+    status: str
+    message: str
+    took_s: float
+
+
+async def _load(url: str, seconds: float, started: float) -> list[Call]:
+    calls: list[Call] = []
+    client = tc_aio.InferenceServerClient(url)
+    end = time.monotonic() + seconds
+    inputs = [tensor("SECONDS", np.array([0.3], dtype=np.float32), "FP32")]
+
+    async def caller() -> None:
+        while time.monotonic() < end:
+            at = time.monotonic()
+            try:
+                await client.infer("slow", inputs, client_timeout=30)
+                status, message = "OK", ""
+            except InferenceServerException as error:
+                status, message = str(error.status()), error.message() or ""
+                await asyncio.sleep(0.2)
+            calls.append(Call(at - started, status, message, time.monotonic() - at))
+
+    try:
+        await asyncio.gather(*(caller() for _ in range(CALLERS)))
+    finally:
+        await client.close()
+    return calls
+
+
+def _rows(timeline: list[Sample], calls: list[Call]) -> list[tuple[int, ...]]:
+    rows, since = [], -1.0
+    for s in timeline:
+        ended = [c for c in calls if since < c.started_s + c.took_s <= s.at_s]
+        ok = sum(1 for c in ended if c.status == "OK")
+        rows.append((s.at_s, ok, len(ended) - ok, s.target, s.tritons, s.listed, s.resources))
+        since = s.at_s
+    return rows
+
+
+def test_ready_with_no_triton_then_zero_to_two_to_zero_under_load(at_zero: RunningStack) -> None:
+    lines = at_zero.process.lines
+    assert not [line for line in lines if re.search(r"triton \d started", line)], \
+        "a Triton started before any call"
+    assert "the first call starts a simulated GPU pod" in next(
+        line for line in lines if "ready:" in line)
+    assert (_tritons(at_zero), triton_resources(_dashboard(at_zero), at_zero.ray_token)) == (0, 0)
+
+    # The first job start: the start-of-job gate's answer, at once.
+    client = tc.InferenceServerClient(at_zero.url("GRPC_PORT"))
+    asked = time.monotonic()
+    with pytest.raises(InferenceServerException) as refused:
+        client.get_model_repository_index(client_timeout=20)
+    assert time.monotonic() - asked < AT_ONCE_S
+    assert refused.value.status() == "StatusCode.CANCELLED", refused.value
+
+    started = time.monotonic()
+    timeline: list[Sample] = []
+
+    async def cycle() -> list[Call]:
+        task = asyncio.ensure_future(_load(at_zero.url("GRPC_PORT"), LOAD_S, started))
+        while not task.done():
+            timeline.append(await asyncio.to_thread(_sample, at_zero, started))
+            await asyncio.sleep(1)
+        return await task
+
+    calls = asyncio.run(cycle())
+    until("no Triton, no triton resource and no pod in the gateway's rotation",
+          lambda: _at_zero(at_zero, timeline, started), 180, every_s=1)
+    ok = [c for c in calls if c.status == "OK"]
+    refused_calls = [c for c in calls if c.status != "OK"]
+    assert ok, f"no call succeeded: {refused_calls[-3:]}"
+    first_ok = min(c.started_s + c.took_s for c in ok)
+    print(f"first success {first_ok:.1f}s after the first call; {len(ok)} calls OK, "
+          f"{len(refused_calls)} answered by the gateway before; timeline (s, calls OK and "
+          f"answered by the gateway since the last sample, Serve's target, Tritons running, "
+          f"in the gateway's rotation, triton resources): {_rows(timeline, calls)}")
+    wrong = [c for c in refused_calls if c.status != "StatusCode.UNAVAILABLE"
+             or NO_TRITON not in c.message]
+    assert wrong == [], f"calls ended otherwise than with the gateway's answer: {wrong[:5]}"
+    held = [c for c in refused_calls if c.took_s >= AT_ONCE_S]
+    assert held == [], f"calls held instead of answered at once: {held[:5]}"
+    late = [c for c in refused_calls if c.started_s > first_ok]
+    assert late == [], f"calls refused after a Triton was ready: {late[:5]}"
+    assert max(s.tritons for s in timeline) == 2 and max(s.listed for s in timeline) == 2, \
+        f"never two pods: {timeline}"
+
+
+def _prewarm_gauge(stack: RunningStack) -> float | None:
+    query = urllib.parse.urlencode({"query": "max (ray_sonic_ray_prewarm_pods)"})
+    with urllib.request.urlopen(f"http://{stack.url('PROMETHEUS_PORT')}/api/v1/query?{query}",
+                                timeout=10) as response:
+        result = json.load(response)["data"]["result"]
+    return float(result[0]["value"][1]) if result else None
+
+
+def test_a_prewarm_request_starts_its_pods_then_lets_them_go(at_zero: RunningStack) -> None:
+    started = time.monotonic()
+    timeline: list[Sample] = []
+    until("zero pods", lambda: _at_zero(at_zero, timeline, started), 180, every_s=1)
+    ends = datetime.now(UTC) + timedelta(seconds=PREWARM_S)
+    env = at_zero.process.env
+    # The operator's command, on the stack's pre-warm directory and its Serve config's bounds.
+    done = subprocess.run(["make", "-s", "prewarm", "PODS=2", f"UNTIL={ends.isoformat()}",
+                           f"DIR={env['PREWARM_DIR']}", f"SERVE_CONFIG={env['SERVE_CONFIG']}"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    # No call is made: the request alone starts two pods, before its time passes.
+    until("two pods in the gateway's rotation, the dashboard's pre-warm floor at 2",
+          lambda: datetime.now(UTC) >= ends or (len(_listed(at_zero)), _prewarm_gauge(
+              at_zero)) == (2, 2.0) or f"pods {_listed(at_zero)}, gauge "
+          f"{_prewarm_gauge(at_zero)}", PREWARM_S, every_s=1)
+    assert datetime.now(UTC) < ends, "the second pod came only after the request's time"
+    until("back to zero pods once the request's time passed, the floor at 0",
+          lambda: datetime.now(UTC) > ends and _prewarm_gauge(at_zero) == 0.0
+          and _at_zero(at_zero, timeline, started) is True, PREWARM_S + 180, every_s=1)
+    assert "pod 1 removed" in "\n".join(at_zero.process.lines)
