@@ -9,7 +9,8 @@ gateway path), SERVE_HTTP_PORT (9080, gateway path), GATEWAY_METRICS_PORT (9902)
 PROMETHEUS_PORT (9090), RAY_GCS_PORT (6379), RAY_DASHBOARD_PORT (8265), SERVE_CONFIG, TRITON_ARGS,
 SONIC_RAY_ADMIN_KEY (random when unset), SONIC_RAY_AUTH_TOKENS_FILE, RAY_AUTH_TOKEN (Ray runs
 with token authentication as in the cluster; random when unset), PREWARM_DIR (where the
-policy reads a pre-warm request, `make prewarm DIR=`; the stack's own when unset).
+policy reads a pre-warm request, `make prewarm DIR=`; the stack's own when unset), POD_IDLE_S
+(min_replicas 0: how long a pod holds no replica before it goes).
 
 A simulated pod is a Ray node with one `triton` resource beside its own Triton. On the
 gateway path a pod is in discovery (the list Envoy balances over) while its Triton is ready
@@ -349,13 +350,18 @@ class LocalStack:
         s = self.settings
         log = self.workdir / f"ray-pod-{index}.log"
         for attempt in range(3):
+            # The log is appended to: a pod started again must not read its last start's line.
+            offset = log.stat().st_size if log.exists() else 0
             node = ray_cluster.start_pod_node(s, index, self.workdir, self.admin_key)
             deadline = time.monotonic() + 120
             while node.poll() is None and time.monotonic() < deadline:
                 if self._stopping.is_set():
                     terminate(node, grace_s=10)
                     raise SystemExit("the stack is stopping")
-                if "Ray runtime started." in log.read_text(errors="replace"):
+                with open(log, "rb") as text:
+                    text.seek(offset)
+                    started = b"Ray runtime started." in text.read()
+                if started:
                     say(f"pod {index}: Ray node started (pid {node.pid}) beside Triton {index} "
                         f"(gRPC {s.triton(index).grpc})")
                     return node

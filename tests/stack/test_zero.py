@@ -143,7 +143,8 @@ async def _load(url: str, seconds: float, started: float) -> list[Call]:
 
 
 def _rows(timeline: list[Sample], calls: list[Call]) -> list[tuple[int, ...]]:
-    rows, since = [], -1.0
+    rows: list[tuple[int, ...]] = []
+    since = -1.0
     for s in timeline:
         ended = [c for c in calls if since < c.started_s + c.took_s <= s.at_s]
         ok = sum(1 for c in ended if c.status == "OK")

@@ -12,7 +12,7 @@ import pytest
 
 from local_stack import ports
 from local_stack.harness import READY_LINE, serve_config_with
-from local_stack.settings import ROOT, Settings
+from local_stack.settings import ROOT, Settings, base_idle_timeout_s
 
 
 def test_ports_lie_between_rays_worker_ports_and_the_ephemeral_range() -> None:
@@ -143,3 +143,16 @@ def test_a_serve_path_that_could_never_scale_from_zero_is_refused(tmp_path: Path
     broken.write_text("applications: [\n")
     with pytest.raises(SystemExit, match="is not YAML"):
         Settings.from_env({"SERVE_CONFIG": str(broken)})
+
+
+def test_pods_start_on_demand_at_min_replicas_0_idle_ones_going_after_pod_idle_s(
+        tmp_path: Path) -> None:
+    zero = serve_config_with(tmp_path, autoscaling={"min_replicas": 0, "max_replicas": 2})
+    settings = Settings.from_env({"SERVE_CONFIG": str(zero)})
+    assert settings.on_demand and settings.pod_idle_s == base_idle_timeout_s() == 60
+    assert not Settings.from_env({}).on_demand, "the shipped config (min_replicas 1) runs its pods"
+    assert Settings.from_env({"SERVE_CONFIG": str(zero), "POD_IDLE_S": "5"}).pod_idle_s == 5
+    for bad, says in (("0", "POD_IDLE_S=0: between 1 and 3600"),
+                      ("soon", "POD_IDLE_S='soon' is not a whole number")):
+        with pytest.raises(SystemExit, match=re.escape(says)):
+            Settings.from_env({"SERVE_CONFIG": str(zero), "POD_IDLE_S": bad})
