@@ -19,7 +19,9 @@
 --   server; any other call UNAVAILABLE / 503 with a retry hint (grpc-retry-pushback-ms,
 --   Retry-After) and words saying whether a GPU pod is on its way: from the control plane's
 --   answer (how long the deployment has wanted more pods than run) and the site's
---   SONIC_RAY_GPU_POD_START_S, roughly when it will be ready.
+--   SONIC_RAY_GPU_POD_START_S, roughly when it will be ready. With SONIC_RAY_HOLD_S above 0,
+--   a job start is held instead until a Triton answers ready (then it passes, to a ready
+--   Triton) or that many seconds pass (then the gate's answer).
 -- * Backpressure: Triton's own refusal of a call its queue cannot hold (a model's
 --   dynamic_batching.default_queue_policy with max_queue_size and timeout_action REJECT) goes
 --   to the client as RESOURCE_EXHAUSTED / 429 with a retry hint (grpc-retry-pushback-ms,
@@ -69,6 +71,11 @@ end
 local STALE_S = number_setting("SONIC_RAY_GATE_STALE_S", "10")
 local RETRY_AFTER_S = number_setting("SONIC_RAY_RETRY_AFTER_S", "2")
 local GPU_POD_START_S = number_setting("SONIC_RAY_GPU_POD_START_S", "300")
+local HOLD_S = tonumber(setting("SONIC_RAY_HOLD_S", "0"))
+if HOLD_S == nil or HOLD_S < 0 then
+  error("SONIC_RAY_HOLD_S=" .. tostring(os.getenv("SONIC_RAY_HOLD_S")) ..
+        " must be a number of seconds, 0 or more")
+end
 local JOB_START_GRPC = "/inference.GRPCInferenceService/RepositoryIndex"
 local JOB_START_HTTP = "/v2/repository/index"
 -- What a job asks when it starts, besides RepositoryIndex: whether the server and its model
@@ -154,6 +161,38 @@ local function refuse_job_start(handle, grpc, reason)
   else
     handle:respond({[":status"] = "503", ["retry-after"] = tostring(RETRY_AFTER_S)}, message)
   end
+end
+
+-- Whether a Triton behind the gateway answers ready now: Triton's own readiness call through
+-- the cluster the job's call would take, which sends it to a healthy Triton or answers at
+-- once that none is (a gRPC ServerReady answers ready=true as the message 08 01).
+local SERVER_READY_GRPC = "/inference.GRPCInferenceService/ServerReady"
+local READY_MESSAGE = "\0\0\0\0\2\8\1"
+local function triton_answers_ready(handle, grpc)
+  if grpc then
+    local headers, body = handle:httpCall("triton", {
+      [":method"] = "POST", [":path"] = SERVER_READY_GRPC, [":authority"] = "triton",
+      ["content-type"] = "application/grpc", ["te"] = "trailers"
+    }, "\0\0\0\0\0", 2000)
+    return headers ~= nil and headers[":status"] == "200" and body == READY_MESSAGE
+  end
+  local headers = handle:httpCall("triton-http", {
+    [":method"] = "GET", [":path"] = "/v2/health/ready", [":authority"] = "triton"
+  }, nil, 2000)
+  return headers ~= nil and headers[":status"] == "200"
+end
+
+-- SONIC_RAY_HOLD_S: a job start waits while no Triton answers ready, a second at a time
+-- (envoy.yaml's hold-timer); true when one does, false when the hold ran out.
+local function held_until_ready(handle, grpc)
+  local deadline = os.time() + HOLD_S
+  while not triton_answers_ready(handle, grpc) do
+    if os.time() >= deadline then return false end
+    handle:httpCall("hold-timer", {
+      [":method"] = "GET", [":path"] = "/", [":authority"] = "hold-timer"
+    }, nil, 5000)
+  end
+  return true
 end
 
 -- A site's glob ("*" any run of characters) as an anchored Lua pattern.
@@ -427,10 +466,26 @@ function envoy_on_request(handle)
   end
   -- No Triton ready shows only in the answer (envoy.yaml's local reply): job starts are
   -- marked for it.
+  local job_start = nil
   if grpc or READY_GRPC[request_path] then
-    handle:streamInfo():dynamicMetadata():set("sonic-ray", "job-start", "grpc")
+    job_start = "grpc"
   elseif request_path == JOB_START_HTTP or is_ready_http(request_path or "") then
-    handle:streamInfo():dynamicMetadata():set("sonic-ray", "job-start", "http")
+    job_start = "http"
+  end
+  if job_start == nil then return end
+  handle:streamInfo():dynamicMetadata():set("sonic-ray", "job-start", job_start)
+  if HOLD_S > 0 and not held_until_ready(handle, job_start == "grpc") then
+    local why, retry_s = no_triton_now(handle)
+    why = why .. "; held " .. HOLD_S .. " s (SONIC_RAY_HOLD_S)"
+    local message = job_start_refusal(why, retry_s)
+    if job_start == "grpc" then
+      handle:respond({[":status"] = "200", ["content-type"] = "application/grpc",
+                      ["grpc-status"] = tostring(GATE_STATUS), ["grpc-message"] = message,
+                      ["grpc-retry-pushback-ms"] = tostring(math.floor(retry_s * 1000))}, "")
+    else
+      handle:respond({[":status"] = "503", ["retry-after"] = tostring(math.ceil(retry_s)),
+                      ["content-type"] = "application/json"}, '{"error":"' .. message .. '"}')
+    end
   end
 end
 

@@ -182,11 +182,12 @@ def _gateway(stream: list[dict[str, Any]]
 
 
 def _envoy_ports(envoy: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Listener name -> port, and the admin address and port."""
+    """Listener name -> port, and the admin address and port. An internal listener (reached
+    from inside Envoy only, envoy.yaml's hold-timer) binds no port."""
     static = envoy.get("static_resources") or {}
     listeners = {item.get("name"): _int(item.get("address", {}).get("socket_address", {})
                                          .get("port_value"))
-                 for item in static.get("listeners") or []}
+                 for item in static.get("listeners") or [] if "internal_listener" not in item}
     admin = (envoy.get("admin") or {}).get("address", {}).get("socket_address", {})
     return listeners, admin
 
@@ -385,7 +386,7 @@ def _tls_facts(facts: Facts, deployment: dict[str, Any], envoy: dict[str, Any],
 # Admission's settings that client-checks.lua reads (gateway/admission.env), by fact name.
 GATE_SETTINGS = {"gateStatus": "SONIC_RAY_GATE_STATUS", "whenStale": "SONIC_RAY_GATE_WHEN_STALE",
                  "staleS": "SONIC_RAY_GATE_STALE_S", "retryAfterS": "SONIC_RAY_RETRY_AFTER_S",
-                 "gpuPodStartS": "SONIC_RAY_GPU_POD_START_S"}
+                 "gpuPodStartS": "SONIC_RAY_GPU_POD_START_S", "holdS": "SONIC_RAY_HOLD_S"}
 # The autoscaling target when the Serve config leaves it out: the policy's own default.
 TARGET_DEFAULT = inspect.signature(TritonQueueTimePolicy).parameters[
     "target_queue_ms_per_exec"].default

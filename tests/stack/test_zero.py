@@ -1,10 +1,13 @@
 """From and to zero GPU pods on this machine (docs/data-paths.md, "From and to zero"), on a stack
 of its own: `min_replicas: 0`, so `make local` starts no Triton and is ready once the gateway
 and the control plane answer; its simulated pods start and stop as Serve wants replicas
-(local_stack/autoscaler.py), each with its own Ray node and Triton. Under load: the first calls
-answered at once, none held and none reaching a Triton that is not ready, 0 -> 2 pods, then
-idle back to 0 Tritons and 0 `triton` resources in Ray. Then an operator's pre-warm request
-starts 2 pods with no call made, on the dashboard's gauge, and lets them go after its time."""
+(local_stack/autoscaler.py), each with its own Ray node and Triton. Under load: the first
+inference calls answered at once, none held and none reaching a Triton that is not ready, job
+starts held up to the site's SONIC_RAY_HOLD_S (then the gate's answer, or Triton's once one is
+ready), 0 -> 2 pods, then idle back to 0 Tritons and 0 `triton` resources in Ray. Then an
+operator's pre-warm request starts 2 pods with no call made, on the dashboard's gauge, and
+lets them go after its time. (Job starts answered at once, the default: test_admission.py and
+tests/cluster/test_zero.py.)"""
 
 from __future__ import annotations
 
@@ -42,6 +45,9 @@ from tests.stack.test_gateway import AUTOSCALING
 NO_TRITON = "no Triton is ready behind this endpoint"
 # Answered by the gateway, not held: slower would be a call waiting for a pod.
 AT_ONCE_S = 1.0
+# This site holds job starts while no Triton is ready (SONIC_RAY_HOLD_S): shorter than a pod's
+# start here (about 17 s), so the first ones run out and later ones pass.
+HOLD_S = 8
 # A pod without a replica this long goes (POD_IDLE_S; the cluster's is a minute).
 IDLE_S = 10
 # Callers of the slow model, enough to queue in one Triton past the policy's target.
@@ -61,7 +67,8 @@ def at_zero(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
                      "downscale_to_zero_delay_s": 4},
         policy_kwargs={"target_queue_ms_per_exec": 50})
     with running_stack({"DATA_PATH": "gateway", "TRITONS": "2", "OBSERVE": "1",
-                        "POD_IDLE_S": str(IDLE_S), "SERVE_CONFIG": str(config)}) as running:
+                        "POD_IDLE_S": str(IDLE_S), "SONIC_RAY_HOLD_S": str(HOLD_S),
+                        "SERVE_CONFIG": str(config)}) as running:
         yield running
     assert running.process.process.returncode == 0
     assert not processes_left_behind(running.process)
@@ -142,6 +149,26 @@ async def _load(url: str, seconds: float, started: float) -> list[Call]:
     return calls
 
 
+def _job_start(stack: RunningStack, grpc: bool, started: float) -> Call:
+    """A job's first call: RepositoryIndex by gRPC, or Triton's readiness by HTTP."""
+    at = time.monotonic()
+    try:
+        if grpc:
+            index = tc.InferenceServerClient(stack.url("GRPC_PORT")).get_model_repository_index(
+                client_timeout=HOLD_S + 20)
+            status, message = "OK", f"gRPC index of {len(index.models)} models"
+        else:
+            with urllib.request.urlopen(f"http://{stack.url('HTTP_PORT')}/v2/health/ready",
+                                        timeout=HOLD_S + 20) as response:
+                status, message = "OK", f"HTTP ready {response.status}"
+    except InferenceServerException as error:
+        status, message = str(error.status()), f"gRPC {error.message()}"
+    except urllib.error.HTTPError as error:
+        status = f"HTTP {error.code}"
+        message = f"HTTP Retry-After {error.headers.get('Retry-After')}: {error.read().decode()}"
+    return Call(at - started, status, message, time.monotonic() - at)
+
+
 def _rows(timeline: list[Sample], calls: list[Call]) -> list[tuple[int, ...]]:
     rows: list[tuple[int, ...]] = []
     since = -1.0
@@ -161,22 +188,20 @@ def test_ready_with_no_triton_then_zero_to_two_to_zero_under_load(at_zero: Runni
         line for line in lines if "ready:" in line)
     assert (_tritons(at_zero), triton_resources(_dashboard(at_zero), at_zero.ray_token)) == (0, 0)
 
-    # The first job start: the start-of-job gate's answer, at once.
-    client = tc.InferenceServerClient(at_zero.url("GRPC_PORT"))
-    asked = time.monotonic()
-    with pytest.raises(InferenceServerException) as refused:
-        client.get_model_repository_index(client_timeout=20)
-    assert time.monotonic() - asked < AT_ONCE_S
-    assert refused.value.status() == "StatusCode.CANCELLED", refused.value
-
     started = time.monotonic()
     timeline: list[Sample] = []
+    job_starts: list[asyncio.Task[Call]] = []
 
     async def cycle() -> list[Call]:
         task = asyncio.ensure_future(_load(at_zero.url("GRPC_PORT"), LOAD_S, started))
         while not task.done():
+            # A job starting each second, by gRPC or HTTP, until one got Triton's answer.
+            if not any(j.done() and j.result().status == "OK" for j in job_starts):
+                job_starts.append(asyncio.ensure_future(asyncio.to_thread(
+                    _job_start, at_zero, len(job_starts) % 2 == 0, started)))
             timeline.append(await asyncio.to_thread(_sample, at_zero, started))
             await asyncio.sleep(1)
+        await asyncio.gather(*job_starts)
         return await task
 
     calls = asyncio.run(cycle())
@@ -199,6 +224,24 @@ def test_ready_with_no_triton_then_zero_to_two_to_zero_under_load(at_zero: Runni
     assert late == [], f"calls refused after a Triton was ready: {late[:5]}"
     assert max(s.tritons for s in timeline) == 2 and max(s.listed for s in timeline) == 2, \
         f"never two pods: {timeline}"
+
+    # Job starts: held while no Triton was ready, then the gate's answer after SONIC_RAY_HOLD_S
+    # or Triton's own once one was.
+    starts = [j.result() for j in job_starts]
+    print(f"job starts (s, kind and answer, held s): "
+          f"{[(round(j.started_s), j.message[:60], round(j.took_s, 1)) for j in starts]}")
+    ran_out = [j for j in starts if j.status != "OK"]
+    passed = [j for j in starts if j.status == "OK"]
+    assert ran_out and passed, starts
+    wrong = [j for j in ran_out if j.status not in ("StatusCode.CANCELLED", "HTTP 503")
+             or f"held {HOLD_S} s (SONIC_RAY_HOLD_S)" not in j.message
+             or not HOLD_S - 1 <= j.took_s < HOLD_S + 3]
+    assert wrong == [], f"a job start not held for SONIC_RAY_HOLD_S, then the gate's: {wrong}"
+    assert {j.message.split(" ")[0] for j in ran_out} == {"gRPC", "HTTP"}, ran_out
+    assert any(j.took_s > AT_ONCE_S for j in passed), \
+        f"no job start was held until a Triton was ready: {passed}"
+    early = [j for j in passed if j.started_s + j.took_s < first_ok - AT_ONCE_S]
+    assert early == [], f"a job start passed before any Triton answered: {early}"
 
 
 def _prewarm_gauge(stack: RunningStack) -> float | None:
