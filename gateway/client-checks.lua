@@ -475,6 +475,8 @@ function envoy_on_request(handle)
   if job_start == nil then return end
   handle:streamInfo():dynamicMetadata():set("sonic-ray", "job-start", job_start)
   if HOLD_S > 0 and not held_until_ready(handle, job_start == "grpc") then
+    -- Answered here, whole: envoy_on_response leaves this answer as it is.
+    handle:streamInfo():dynamicMetadata():set("sonic-ray", "job-start", "answered")
     local why, retry_s = no_triton_now(handle)
     why = why .. "; held " .. HOLD_S .. " s (SONIC_RAY_HOLD_S)"
     local message = job_start_refusal(why, retry_s)
@@ -483,8 +485,9 @@ function envoy_on_request(handle)
                       ["grpc-status"] = tostring(GATE_STATUS), ["grpc-message"] = message,
                       ["grpc-retry-pushback-ms"] = tostring(math.floor(retry_s * 1000))}, "")
     else
-      handle:respond({[":status"] = "503", ["retry-after"] = tostring(math.ceil(retry_s)),
-                      ["content-type"] = "application/json"}, '{"error":"' .. message .. '"}')
+      -- envoy.yaml's local reply puts the words in Triton's error shape.
+      handle:respond({[":status"] = "503", ["retry-after"] = tostring(math.ceil(retry_s))},
+                     message)
     end
   end
 end
@@ -520,6 +523,8 @@ function envoy_on_response(handle)
     end
   elseif grpc_status == nil and headers:get(":status") == "503" then
     if (headers:get("content-type") or ""):sub(1, 16) == "application/grpc" then return end
+    local held = handle:streamInfo():dynamicMetadata():get("sonic-ray")
+    if held ~= nil and held["job-start"] == "answered" then return end
     -- Waiting for the body ends the headers object's scope: ask for them again after.
     local body = handle:body()
     local text = body ~= nil and body:length() < 4096 and body:getBytes(0, body:length()) or ""

@@ -11,12 +11,17 @@ is checked, and every refusal carries RFC 6750's `WWW-Authenticate` with the rea
 The settings, one home for the Lua and this file (SETTINGS; docs/front-door.md):
 SONIC_RAY_JWT_ISSUER, SONIC_RAY_JWT_AUDIENCES (comma-separated), SONIC_RAY_JWT_SCOPE (a scope
 the `scope` claim must hold), SONIC_RAY_JWT_GROUP (a group `wlcg.groups` must hold),
-SONIC_RAY_JWT_CLOCK_SKEW_S; the keys are a JWKS document written into the file.
+SONIC_RAY_JWT_CLOCK_SKEW_S; the keys are a JWKS document written into the file, or fetched by
+Envoy from the identity provider: SONIC_RAY_JWKS_URI (https), kept SONIC_RAY_JWKS_CACHE_S
+seconds and fetched again before they expire, each fetch given SONIC_RAY_JWKS_TIMEOUT_S. Envoy
+reaches the provider through its cluster `jwks` (JWKS_CLUSTER, gateway/envoy.yaml), which dials
+the name `jwks-provider`: the site's ExternalName Service naming the provider's host, whose
+certificate Envoy checks against that host (auto SNI and SAN validation).
 
 A site turns them on in its overlay with jwt.env (the settings, merged into the `front-door`
-ConfigMap of gateway/front-door.env) and jwks.json (its identity provider's keys): `make
-gateway-config` writes the overlay's jwt-authn.yaml from both (SITE_FILES), which the overlay
-merges into the gateway's ConfigMap.
+ConfigMap of gateway/front-door.env) and, without SONIC_RAY_JWKS_URI, jwks.json (its identity
+provider's keys): `make gateway-config` writes the overlay's jwt-authn.yaml from them
+(SITE_FILES), which the overlay merges into the gateway's ConfigMap.
 
     python -m gateway.jwt [--check]    # gateway/jwt-authn.yaml (off), and every site's
 """
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import json
 import sys
+import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,8 +54,31 @@ EXTENSION_TYPE = "type.googleapis.com/envoy.config.core.v3.TypedExtensionConfig"
 ISSUER_ENV, AUDIENCES_ENV = "SONIC_RAY_JWT_ISSUER", "SONIC_RAY_JWT_AUDIENCES"
 SCOPE_ENV, GROUP_ENV = "SONIC_RAY_JWT_SCOPE", "SONIC_RAY_JWT_GROUP"
 CLOCK_SKEW_ENV = "SONIC_RAY_JWT_CLOCK_SKEW_S"
-SETTINGS = (ISSUER_ENV, AUDIENCES_ENV, SCOPE_ENV, GROUP_ENV, CLOCK_SKEW_ENV)
+JWKS_URI_ENV, JWKS_CACHE_ENV = "SONIC_RAY_JWKS_URI", "SONIC_RAY_JWKS_CACHE_S"
+JWKS_TIMEOUT_ENV = "SONIC_RAY_JWKS_TIMEOUT_S"
+SETTINGS = (ISSUER_ENV, AUDIENCES_ENV, SCOPE_ENV, GROUP_ENV, CLOCK_SKEW_ENV, JWKS_URI_ENV,
+            JWKS_CACHE_ENV, JWKS_TIMEOUT_ENV)
 DEFAULT_CLOCK_SKEW_S = 60
+DEFAULT_JWKS_CACHE_S, DEFAULT_JWKS_TIMEOUT_S = 600, 5
+# The gateway's cluster to the identity provider (gateway/envoy.yaml), and the name it dials:
+# the site's ExternalName Service naming the provider's host (invariant jwks-provider-named).
+JWKS_CLUSTER, JWKS_PROVIDER_SERVICE = "jwks", "jwks-provider"
+
+
+def _seconds(env: Mapping[str, str], name: str, default: int, low: int, high: int) -> int:
+    raw = env.get(name, "").strip() or str(default)
+    if not raw.isdigit() or not low <= int(raw) <= high:
+        raise ValueError(f"{name}={raw!r}: whole seconds, {low} to {high}")
+    return int(raw)
+
+
+def check_jwks_uri(uri: str) -> str:
+    """The identity provider's JWKS address, or ValueError: https, with a host and a path."""
+    parsed = urllib.parse.urlsplit(uri)
+    if parsed.scheme != "https" or not parsed.hostname or not parsed.path:
+        raise ValueError(f"{JWKS_URI_ENV}={uri!r}: an https:// address of the identity "
+                         "provider's keys (its jwks_uri), host and path")
+    return uri
 
 
 @dataclass(frozen=True)
@@ -57,6 +86,10 @@ class JwtSettings:
     issuer: str
     audiences: tuple[str, ...]
     clock_skew_s: int = DEFAULT_CLOCK_SKEW_S
+    # Keys fetched from the provider (None: a JWKS document in the file).
+    jwks_uri: str | None = None
+    jwks_cache_s: int = DEFAULT_JWKS_CACHE_S
+    jwks_timeout_s: int = DEFAULT_JWKS_TIMEOUT_S
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> JwtSettings | None:
@@ -70,10 +103,11 @@ class JwtSettings:
         audiences = tuple(a.strip() for a in env.get(AUDIENCES_ENV, "").split(",") if a.strip())
         if not audiences:
             raise ValueError(f"{AUDIENCES_ENV} is empty: a token for another service would pass")
-        raw = env.get(CLOCK_SKEW_ENV, "").strip() or str(DEFAULT_CLOCK_SKEW_S)
-        if not raw.isdigit() or int(raw) > 300:
-            raise ValueError(f"{CLOCK_SKEW_ENV}={raw!r}: whole seconds, 0 to 300")
-        return cls(issuer, audiences, int(raw))
+        uri = env.get(JWKS_URI_ENV, "").strip()
+        return cls(issuer, audiences, _seconds(env, CLOCK_SKEW_ENV, DEFAULT_CLOCK_SKEW_S, 0, 300),
+                   check_jwks_uri(uri) if uri else None,
+                   _seconds(env, JWKS_CACHE_ENV, DEFAULT_JWKS_CACHE_S, 1, 86400),
+                   _seconds(env, JWKS_TIMEOUT_ENV, DEFAULT_JWKS_TIMEOUT_S, 1, 60))
 
 
 def check_jwks(text: str) -> dict[str, Any]:
@@ -91,13 +125,25 @@ def filter_config(settings: JwtSettings | None, jwks_text: str = "") -> dict[str
     """jwt_authn's config: no provider (every call passes untouched) without settings."""
     if settings is None:
         return {"@type": JWT_AUTHN_TYPE}
-    check_jwks(jwks_text)
+    if settings.jwks_uri is None:
+        check_jwks(jwks_text)
+        keys: dict[str, Any] = {"local_jwks": {"inline_string": jwks_text}}
+    else:
+        keys = {"remote_jwks": {
+            "http_uri": {"uri": settings.jwks_uri, "cluster": JWKS_CLUSTER,
+                         "timeout": f"{settings.jwks_timeout_s}s"},
+            "cache_duration": f"{settings.jwks_cache_s}s",
+            # Fetched at start and again before the cache expires, not on a call's path; a
+            # failed fetch is tried again every second, and calls meanwhile fail their check
+            # saying so (client-checks.lua) rather than wait.
+            "async_fetch": {"failed_refetch_duration": "1s"},
+        }}
     return {
         "@type": JWT_AUTHN_TYPE,
         "providers": {PROVIDER: {
             "issuer": settings.issuer,
             "audiences": list(settings.audiences),
-            "local_jwks": {"inline_string": jwks_text},
+            **keys,
             "from_headers": [{"name": "authorization", "value_prefix": "Bearer "}],
             # The token goes no further than the gateway: Triton never sees it.
             "forward": False,
@@ -141,11 +187,17 @@ def render_site(folder: Path) -> str:
         settings = JwtSettings.from_env(env_file(env_path))
         if settings is None:
             raise ValueError(f"no {ISSUER_ENV}")
-        config = document(settings, jwks_path.read_text())
+        if settings.jwks_uri is not None and jwks_path.exists():
+            raise ValueError(f"{JWKS_URI_ENV} and {SITE_FILES[1]}: the keys come from one of "
+                             "them; remove the other")
+        config = document(settings, jwks_path.read_text() if settings.jwks_uri is None
+                          else "")
     except (OSError, ValueError) as error:
         raise SystemExit(f"{folder}: {error}") from None
+    sources = (f"{SITE_FILES[0]} and {SITE_FILES[1]} here; edit those" if settings.jwks_uri is None
+               else f"{SITE_FILES[0]} here (the keys from {JWKS_URI_ENV}); edit that")
     return (f"# This site's token checks: written by `make gateway-config` (gateway/jwt.py) from\n"
-            f"# {SITE_FILES[0]} and {SITE_FILES[1]} here; edit those, not this file. The keys'\n"
+            f"# {sources}, not this file. The keys'\n"
             "# numbers are long words.\n# yamllint disable rule:line-length\n"
             + yaml.safe_dump(config, sort_keys=False, width=100))
 

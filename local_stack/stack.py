@@ -145,6 +145,9 @@ class JwksFollower:
 
     def write(self) -> None:
         s = self.settings
+        if s.jwt is not None and s.jwt.jwks_uri is not None:
+            jwt.write(self.path, s.jwt)  # Envoy fetches the keys
+            return
         if s.jwt is None or s.jwks_file is None:
             jwt.write(self.path, None)
             return
@@ -321,7 +324,8 @@ class LocalStack:
                 + " (gRPC), or https://localhost:" + str(s.http_port)
                 + (" (the client certificate required)" if s.mtls else ""))
         if s.jwt is not None:
-            say(f"jwt: calls need `authorization: Bearer <JWT>` signed by a key of {s.jwks_file}, "
+            say(f"jwt: calls need `authorization: Bearer <JWT>` signed by a key of "
+                f"{s.jwt.jwks_uri or s.jwks_file}, "
                 f"iss {s.jwt.issuer}, aud {','.join(s.jwt.audiences)}")
         say(f"pre-warm: make prewarm PODS=<n> UNTIL=<time> DIR={s.prewarm_dir}")
         if s.on_demand:

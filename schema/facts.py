@@ -13,6 +13,7 @@ from __future__ import annotations
 import inspect
 import re
 import sys
+import urllib.parse
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
@@ -21,7 +22,7 @@ import yaml
 
 from gateway import tls
 from gateway.jwt import ISSUER_ENV as JWT_ISSUER_ENV
-from gateway.jwt import JWT_AUTHN_FILE
+from gateway.jwt import JWKS_PROVIDER_SERVICE, JWT_AUTHN_FILE
 from gateway.routes import (
     CONTROL_PLANE_CLUSTER,
     GRPC_CLUSTER,
@@ -368,6 +369,18 @@ def _tls_facts(facts: Facts, deployment: dict[str, Any], envoy: dict[str, Any],
                                    else {str(next((i for i in issuers if i), "none")), "none"}),
               f"{JWT_ISSUER_ENV} of the envoy container's env and the providers of {source} "
               f"{JWT_AUTHN_FILE}")
+    # Keys fetched from the provider: Envoy's cluster dials the name JWKS_PROVIDER_SERVICE,
+    # which the site's ExternalName Service must point at the address's host.
+    remote = sorted({str(urllib.parse.urlsplit(str(((p.get("remote_jwks") or {}).get(
+        "http_uri") or {}).get("uri"))).hostname) for p in providers if p.get("remote_jwks")})
+    services = [o for o in stream if o.get("kind") == "Service" and (o.get("metadata") or {})
+                .get("name") == JWKS_PROVIDER_SERVICE]
+    named_host = [str((s.get("spec") or {}).get("externalName")) if (s.get("spec") or {}).get(
+        "type") == "ExternalName" else "no ExternalName Service" for s in services]
+    facts.put("jwksProviderHosts",
+              sorted({*remote, *(named_host or ["no such Service"])}) if remote else [],
+              f"the providers' remote_jwks.http_uri.uri host in {source} {JWT_AUTHN_FILE} and "
+              f"Service {JWKS_PROVIDER_SERVICE} spec.externalName")
     ingress_tls = any(o.get("kind") == "Ingress" and (o.get("spec") or {}).get("tls")
                       for o in stream)
     annotations = (deployment.get("metadata") or {}).get("annotations") or {}

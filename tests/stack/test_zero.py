@@ -165,7 +165,9 @@ def _job_start(stack: RunningStack, grpc: bool, started: float) -> Call:
         status, message = str(error.status()), f"gRPC {error.message()}"
     except urllib.error.HTTPError as error:
         status = f"HTTP {error.code}"
-        message = f"HTTP Retry-After {error.headers.get('Retry-After')}: {error.read().decode()}"
+        # Triton's error shape, {"error": "<words>"}.
+        words = json.loads(error.read().decode()).get("error")
+        message = f"HTTP Retry-After {error.headers.get('Retry-After')}: {words}"
     return Call(at - started, status, message, time.monotonic() - at)
 
 
@@ -238,6 +240,8 @@ def test_ready_with_no_triton_then_zero_to_two_to_zero_under_load(at_zero: Runni
              or not HOLD_S - 1 <= j.took_s < HOLD_S + 3]
     assert wrong == [], f"a job start not held for SONIC_RAY_HOLD_S, then the gate's: {wrong}"
     assert {j.message.split(" ")[0] for j in ran_out} == {"gRPC", "HTTP"}, ran_out
+    assert all(": no new jobs here now: " in j.message or j.message.startswith(
+        "gRPC no new jobs here now: ") for j in ran_out), ran_out
     assert any(j.took_s > AT_ONCE_S for j in passed), \
         f"no job start was held until a Triton was ready: {passed}"
     early = [j for j in passed if j.started_s + j.took_s < first_ok - AT_ONCE_S]

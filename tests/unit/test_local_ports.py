@@ -91,6 +91,17 @@ def test_tls_switches(env: dict[str, str], tls: bool, mtls: bool) -> None:
     ({"JWKS_FILE": "/nonexistent/jwks.json", "JWT_ISSUER": "i", "JWT_AUDIENCE": "a"},
      "JWKS_FILE=/nonexistent/jwks.json: No such file"),
     ({"JWKS_FILE": "/etc/hostname", "JWT_ISSUER": "i", "JWT_AUDIENCE": "a"}, "not JSON"),
+    ({"JWT_ISSUER": "i", "JWT_AUDIENCE": "a"}, "without JWKS_FILE or JWKS_URI"),
+    ({"JWKS_FILE": "/etc/hostname", "JWKS_URI": "https://idp/keys", "JWT_ISSUER": "i",
+      "JWT_AUDIENCE": "a"}, "JWKS_FILE and JWKS_URI: the keys come from one of them"),
+    ({"JWKS_URI": "http://idp/keys", "JWT_ISSUER": "i", "JWT_AUDIENCE": "a"},
+     "JWKS_URI='http://idp/keys': an https:// address"),
+    ({"JWKS_URI": "https://idp/keys", "JWKS_CA_FILE": "/nonexistent/ca.pem",
+      "JWT_ISSUER": "i", "JWT_AUDIENCE": "a"}, "JWKS_CA_FILE=/nonexistent/ca.pem is not a file"),
+    ({"JWKS_CA_FILE": "/etc/hostname"}, "JWKS_CA_FILE without JWKS_URI"),
+    ({"JWKS_URI": "https://idp/keys", "SONIC_RAY_JWKS_CACHE_S": "0", "JWT_ISSUER": "i",
+      "JWT_AUDIENCE": "a"}, "SONIC_RAY_JWKS_CACHE_S='0': whole seconds, 1 to 86400"),
+    ({"SONIC_RAY_JWKS_URI": "https://idp/keys"}, "on this machine JWT_ISSUER, JWT_AUDIENCE"),
 ])
 def test_tls_settings_that_cannot_work_are_refused_saying_why(env: dict[str, str],
                                                               says: str) -> None:
@@ -156,3 +167,12 @@ def test_pods_start_on_demand_at_min_replicas_0_idle_ones_going_after_pod_idle_s
                       ("soon", "POD_IDLE_S='soon' is not a whole number")):
         with pytest.raises(SystemExit, match=re.escape(says)):
             Settings.from_env({"SERVE_CONFIG": str(zero), "POD_IDLE_S": bad})
+
+
+def test_keys_from_an_identity_providers_address() -> None:
+    settings = Settings.from_env({"JWKS_URI": "https://localhost:8443/keys",
+                                  "JWKS_CA_FILE": "/etc/hostname", "JWT_ISSUER": "i",
+                                  "JWT_AUDIENCE": "a", "SONIC_RAY_JWKS_CACHE_S": "5"})
+    assert settings.jwt is not None and settings.jwks_file is None
+    assert (settings.jwt.jwks_uri, settings.jwt.jwks_cache_s) == ("https://localhost:8443/keys", 5)
+    assert settings.jwks_ca_file == Path("/etc/hostname")
