@@ -274,6 +274,7 @@ class Settings:
                              "(DATA_PATH=gateway)")
         settings = dataclasses.replace(settings, **_jwt_settings(env, data_path))
         settings.check_ports()
+        settings.check_admission(env)
         settings.tenant_shares(env)
         try:
             parse_tenant_map(settings.front_door_env(env).get(TENANTS_ENV, ""))
@@ -287,6 +288,16 @@ class Settings:
         defaults = env_file(ADMISSION_ENV_FILE)
         return {**defaults, **{k: env[k] for k in defaults if k in env},
                 ADMISSION_PORT_ENV: str(self.admission_port)}
+
+    def check_admission(self, env: Mapping[str, str] = os.environ) -> None:
+        """The settings the gateway's Lua refuses to load with, refused here first, in the words
+        of invariant admission-settings-valid (Envoy would exit and restart until a timeout)."""
+        from schema.check import admission_problems
+
+        problems = admission_problems(self.admission_env(env))
+        if problems:
+            raise SystemExit("; ".join(problems) + f" ({ADMISSION_ENV_FILE.name}, "
+                             "docs/admission.md)")
 
     def tenant_shares(self, env: Mapping[str, str] = os.environ) -> dict[str, int]:
         """SONIC_RAY_TENANT_SHARES as the gateway's filter gets it (gateway/tenant_shares.py)."""

@@ -12,7 +12,7 @@ import argparse
 import functools
 import json
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,7 @@ import kubernetes_validate
 import kubernetes_validate.utils
 import yaml
 
-from schema.facts import extract
+from schema.facts import admission_settings, extract
 from schema.serve_config import check_serve_config
 
 HERE = Path(__file__).resolve().parent
@@ -92,6 +92,16 @@ def invariant_violations(obj: dict[str, Any],
                                 for p, o in clashes.items())
         yield (f"{rule.get('title', 'invariant')}: {_name(obj)} {source}: {message} "
                f"- {rule.get('description', '')}")
+
+
+def admission_problems(settings: Mapping[str, Any]) -> list[str]:
+    """Invariant admission-settings-valid on the `admission` settings alone (what make local
+    gives its gateway): the rule's own words for each bad one."""
+    rule = INVARIANTS["properties"]["admissionSettings"]
+    errors = jsonschema.Draft202012Validator(rule).iter_errors(admission_settings(settings))
+    return [_deepest(rule, e.absolute_schema_path, "x-message").get("x-message", e.message)
+            .format(instance=json.dumps(e.instance), label=rule["x-fact"], parent={})
+            for e in sorted(errors, key=lambda e: list(e.absolute_path))]
 
 
 def _at(values: Any, path: list[Any]) -> Any:

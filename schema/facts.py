@@ -14,6 +14,7 @@ import inspect
 import re
 import sys
 import urllib.parse
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
@@ -405,6 +406,13 @@ TARGET_DEFAULT = inspect.signature(TritonQueueTimePolicy).parameters[
     "target_queue_ms_per_exec"].default
 
 
+def admission_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """The fact `admissionSettings` from the `admission` ConfigMap's data (or the environment
+    make local gives the gateway, the same names)."""
+    return {fact: _number(settings[key]) if fact.endswith("S") else settings[key]
+            for fact, key in GATE_SETTINGS.items() if key in settings}
+
+
 def _env_sources(container: dict[str, Any]) -> list[str]:
     return [str((s.get("configMapRef") or {}).get("name")) for s in container.get("envFrom") or []
             if s.get("configMapRef")]
@@ -483,9 +491,7 @@ def _admission_facts(facts: Facts, deployment: dict[str, Any], envoy: dict[str, 
               {"gateway": name is not None, "rayHead": name in _env_sources(head_ray)},
               f"{where} and spec.rayClusterConfig.headGroupSpec containers[0].envFrom")
     source = f"ConfigMap {name}"
-    facts.put("admissionSettings",
-              {fact: _number(settings[key]) if fact.endswith("S") else settings[key]
-               for fact, key in GATE_SETTINGS.items() if key in settings}, source)
+    facts.put("admissionSettings", admission_settings(settings), source)
     limit = str(settings.get(SATURATED_ENV, "")).strip()
     _, forwarder, app_path = triton_app(serve_config)
     kwargs = policy_kwargs(forwarder)

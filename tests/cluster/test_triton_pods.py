@@ -35,10 +35,15 @@ def _tritons(cluster: Cluster) -> list[str]:
 CLUSTERS = ("triton", "triton-http")
 
 
+# A Triton the DNS no longer lists (its pod's readiness failed before Envoy's third missed
+# check, as on a busy machine) is out of rotation too.
+NOT_LISTED = "(not listed)"
+
+
 def _host_flags(cluster: Cluster, pod_ip: str) -> list[list[str]]:
     """The health flags each ready gateway pod's Envoy has on the Triton at `pod_ip`, in each
     of its Triton clusters."""
-    return [cluster.envoy_hosts(gateway, name).get(pod_ip, ["(not listed)"])
+    return [cluster.envoy_hosts(gateway, name).get(pod_ip, [NOT_LISTED])
             for gateway in cluster.ready_pods("gateway") for name in CLUSTERS]
 
 
@@ -68,8 +73,8 @@ def _stopped(cluster: Cluster, pods: list[str]) -> Iterator[None]:
 
 def _unhealthy_everywhere(cluster: Cluster, ips: list[str]) -> object:
     flags = {ip: _host_flags(cluster, ip) for ip in ips}
-    return all("failed_active_health_check" in f for per_gateway in flags.values()
-               for f in per_gateway) or flags
+    return all("failed_active_health_check" in f or f == [NOT_LISTED]
+               for per_gateway in flags.values() for f in per_gateway) or flags
 
 
 def _quick_calls(cluster: Cluster, count: int = 8) -> list[str]:

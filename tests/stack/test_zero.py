@@ -22,6 +22,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -80,9 +81,20 @@ def _dashboard(stack: RunningStack) -> str:
 
 def _tritons(stack: RunningStack) -> int:
     """The stack's tritonserver processes (pods' Tritons running, ready or not), not their
-    python backend's stubs."""
-    return sum(1 for p in leftover_processes(stack.process)
-               if p.split(": ", 1)[1].split()[0].endswith("/tritonserver"))
+    python backend's stubs, nor a child a Triton forked that has not yet run the stub (it
+    bears its parent's command line until then)."""
+    servers = {int(p.split(": ", 1)[0]) for p in leftover_processes(stack.process)
+               if p.split(": ", 1)[1].split()[0].endswith("/tritonserver")}
+    return sum(1 for pid in servers if _parent(pid) not in servers)
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    return next((int(line.split()[1]) for line in status.splitlines()
+                 if line.startswith("PPid:")), None)
 
 
 def _target(stack: RunningStack) -> int:

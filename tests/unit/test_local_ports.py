@@ -102,6 +102,10 @@ def test_tls_switches(env: dict[str, str], tls: bool, mtls: bool) -> None:
     ({"JWKS_URI": "https://idp/keys", "SONIC_RAY_JWKS_CACHE_S": "0", "JWT_ISSUER": "i",
       "JWT_AUDIENCE": "a"}, "SONIC_RAY_JWKS_CACHE_S='0': whole seconds, 1 to 86400"),
     ({"SONIC_RAY_JWKS_URI": "https://idp/keys"}, "on this machine JWT_ISSUER, JWT_AUDIENCE"),
+    # Admission's settings: what the gateway's Lua would refuse to load with.
+    ({"SONIC_RAY_HOLD_S": "-1"}, "SONIC_RAY_HOLD_S is -1.0, not a number of seconds, 0 or more"),
+    ({"SONIC_RAY_GATE_STATUS": "SKIP"},
+     'SONIC_RAY_GATE_STATUS is "SKIP", not a gRPC status name other than OK'),
 ])
 def test_tls_settings_that_cannot_work_are_refused_saying_why(env: dict[str, str],
                                                               says: str) -> None:
