@@ -523,8 +523,9 @@ function envoy_on_response(handle)
     end
   elseif grpc_status == nil and headers:get(":status") == "503" then
     if (headers:get("content-type") or ""):sub(1, 16) == "application/grpc" then return end
-    local held = handle:streamInfo():dynamicMetadata():get("sonic-ray")
-    if held ~= nil and held["job-start"] == "answered" then return end
+    local meta = handle:streamInfo():dynamicMetadata():get("sonic-ray")
+    local job_start = meta ~= nil and meta["job-start"] or nil
+    if job_start == "answered" then return end
     -- Waiting for the body ends the headers object's scope: ask for them again after.
     local body = handle:body()
     local text = body ~= nil and body:length() < 4096 and body:getBytes(0, body:length()) or ""
@@ -534,9 +535,8 @@ function envoy_on_response(handle)
       answered:add("retry-after", tostring(math.ceil(RETRY_AFTER_S)))
     elseif text:find(NO_TRITON, 1, true) then
       local why, retry_s = no_triton_now(handle)
-      local meta = handle:streamInfo():dynamicMetadata():get("sonic-ray")
       local message = why .. "; retry in about " .. retry_s .. " s"
-      if meta ~= nil and meta["job-start"] == "http" then
+      if job_start == "http" then
         message = job_start_refusal(why, retry_s)
       end
       -- Triton's error shape, as envoy.yaml's local reply writes it (no quote in the words).

@@ -72,11 +72,12 @@ def _seconds(env: Mapping[str, str], name: str, default: int, low: int, high: in
     return int(raw)
 
 
-def check_jwks_uri(uri: str) -> str:
-    """The identity provider's JWKS address, or ValueError: https, with a host and a path."""
+def check_jwks_uri(uri: str, name: str = JWKS_URI_ENV) -> str:
+    """The identity provider's JWKS address, or ValueError naming the variable `name` that
+    gave it: https, with a host and a path."""
     parsed = urllib.parse.urlsplit(uri)
     if parsed.scheme != "https" or not parsed.hostname or not parsed.path:
-        raise ValueError(f"{JWKS_URI_ENV}={uri!r}: an https:// address of the identity "
+        raise ValueError(f"{name}={uri!r}: an https:// address of the identity "
                          "provider's keys (its jwks_uri), host and path")
     return uri
 

@@ -9,8 +9,31 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
+from typing import TypeVar
+
+Pod = TypeVar("Pod", bound=Hashable)
+
+
+def idle_pods(created: Mapping[Pod, float], holding: set[Pod], wanted: int, idle_s: float,
+              idle_since: dict[Pod, float], now: float) -> list[Pod]:
+    """The Ray autoscaler's removal rule, shared by `make local` (PodOwner) and `make cluster`
+    (local_stack/cluster/stack.py): a pod (created at `created[pod]`) that has held no replica
+    for `idle_s` goes, one after another while more pods run than Serve wants. `idle_since`
+    carries when each pod was last seen idle from one call to the next."""
+    remaining = len(created)
+    gone: list[Pod] = []
+    for pod, at in created.items():
+        if pod in holding or now - at < idle_s:
+            idle_since.pop(pod, None)
+            continue
+        since = idle_since.setdefault(pod, now)
+        if now - since >= idle_s and remaining > wanted:
+            idle_since.pop(pod, None)
+            gone.append(pod)
+            remaining -= 1
+    return gone
 
 
 @dataclass
@@ -56,18 +79,14 @@ class PodOwner:
                 self.say(f"autoscaler: Serve wants {target} replica(s), {len(self.started) - 1} "
                          f"GPU pod(s) run: starting pod {pod}")
                 self._run(f"starting pod {pod}", self._start, pod)
-            for pod, at in list(self.started.items()):
-                if pod in self.starting or pod in holding or now - at < self.idle_s:
-                    self._idle_since.pop(pod, None)
-                    continue
-                since = self._idle_since.setdefault(pod, now)
-                if now - since >= self.idle_s and len(self.started) > wanted:
-                    self.say(f"autoscaler: pod {pod} held no replica for {self.idle_s:.0f}s; "
-                             "removing it")
-                    del self.started[pod]
-                    self._idle_since.pop(pod, None)
-                    self.stopping.add(pod)
-                    self._run(f"stopping pod {pod}", self._stop, pod)
+            # A pod still starting counts among those running, never as idle.
+            for pod in idle_pods(self.started, holding | self.starting, wanted, self.idle_s,
+                                 self._idle_since, now):
+                self.say(f"autoscaler: pod {pod} held no replica for {self.idle_s:.0f}s; "
+                         "removing it")
+                del self.started[pod]
+                self.stopping.add(pod)
+                self._run(f"stopping pod {pod}", self._stop, pod)
 
     def _start(self, pod: int) -> None:
         try:

@@ -21,6 +21,7 @@ from gateway.jwt import (
     JWKS_URI_ENV,
     JwtSettings,
     check_jwks,
+    check_jwks_uri,
 )
 from gateway.tenant_shares import SHARES_ENV, TENANTS_ENV, parse_shares, parse_tenant_map
 from schema.serve_app import NoTritonAppError, replica_bounds
@@ -114,9 +115,10 @@ def _jwt_settings(env: Mapping[str, str], data_path: str) -> dict[str, Any]:
         if ca is not None and not ca.is_file():
             raise SystemExit(f"JWKS_CA_FILE={ca} is not a file")
         try:
-            jwt = JwtSettings.from_env({**common, JWKS_URI_ENV: env["JWKS_URI"]})
+            uri = check_jwks_uri(env["JWKS_URI"], "JWKS_URI")
+            jwt = JwtSettings.from_env({**common, JWKS_URI_ENV: uri})
         except ValueError as error:
-            raise SystemExit(str(error).replace(JWKS_URI_ENV, "JWKS_URI")) from None
+            raise SystemExit(str(error)) from None
         return {"jwt": jwt, "jwks_ca_file": ca}
     jwks_file = Path(env["JWKS_FILE"]).resolve()
     try:

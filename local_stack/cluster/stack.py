@@ -49,6 +49,7 @@ import grpc
 import yaml
 
 from local_stack import ray_cluster, triton
+from local_stack.autoscaler import idle_pods
 from local_stack.cluster import dns, manifests, network, service
 from local_stack.cluster.pods import ContainerSpec, Pod
 from local_stack.polling import until
@@ -430,16 +431,12 @@ class ClusterStack:
         if len(live) < wanted and not starting:
             self._new_pod("triton", cluster)
         holding = {r.get("node_ip") for r in deployment.get("replicas", [])}
-        now = time.monotonic()
-        for pod in live:
-            if pod.ip in holding or now - pod.created_at < self.built.idle_timeout_s:
-                self._idle_since.pop(pod.name, None)
-                continue
-            since = self._idle_since.setdefault(pod.name, now)
-            if now - since >= self.built.idle_timeout_s and len(self._cluster_pods(cluster)) > wanted:
-                say(f"{pod.name}: idle for {self.built.idle_timeout_s:.0f}s; the autoscaler "
-                    "removes it")
-                self._delete(pod)
+        pods = {pod.name: pod for pod in live}
+        for name in idle_pods({p.name: p.created_at for p in live},
+                              {p.name for p in live if p.ip in holding}, wanted,
+                              self.built.idle_timeout_s, self._idle_since, time.monotonic()):
+            say(f"{name}: idle for {self.built.idle_timeout_s:.0f}s; the autoscaler removes it")
+            self._delete(pods[name])
 
     def _loop(self, stop: threading.Event) -> None:
         next_owner = 0.0

@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from local_stack.autoscaler import PodOwner
+from local_stack.autoscaler import PodOwner, idle_pods
 from local_stack.polling import until
 
 
@@ -109,3 +109,16 @@ def test_a_pod_that_did_not_start_is_asked_for_again() -> None:
     settled(owner)
     assert pods.started == [0]
     pods.release.set()
+
+
+def test_the_removal_rule_counts_down_as_it_removes() -> None:
+    # make cluster's pods by name: three idle past the time, Serve wants one: two go, the
+    # one holding a replica stays, and a pod created within the idle time is never idle.
+    created = {"triton-0": 0.0, "triton-1": 0.0, "triton-2": 0.0, "triton-3": 95.0}
+    since: dict[str, float] = {}
+    assert idle_pods(created, {"triton-1"}, 1, 10, since, 90.0) == []
+    gone = idle_pods(created, {"triton-1"}, 1, 10, since, 100.0)
+    assert gone == ["triton-0", "triton-2"], gone
+    assert since == {}, "a removed pod's idle time was kept"
+    # Serve wants every pod there is: none goes, however long idle.
+    assert idle_pods(created, set(), 4, 10, {"triton-0": 0.0}, 200.0) == []
