@@ -137,31 +137,39 @@ async def infer(stub: service_pb2_grpc.GRPCInferenceServiceStub,
                        error.details() or "")
 
 
-async def job_start(client: tc_aio.InferenceServerClient, since: float = 0.0) -> GateAnswer:
-    """A job's RepositoryIndex, as tritonclient reports its answer."""
+async def job_start(client: tc_aio.InferenceServerClient, since: float = 0.0,
+                    timeout_s: float | None = None) -> GateAnswer:
+    """A job's RepositoryIndex, as tritonclient reports its answer (with `timeout_s`, its
+    deadline)."""
     started = time.monotonic()
     try:
-        await client.get_model_repository_index()
+        await client.get_model_repository_index(client_timeout=timeout_s)
         return GateAnswer(started - since, "OK", time.monotonic() - started, "")
     except InferenceServerException as error:
         return GateAnswer(started - since, str(error.status()), time.monotonic() - started,
                           str(error.message()))
 
 
-def gate_answer(url: str) -> GateAnswer:
+def gate_answer(url: str, timeout_s: float | None = None) -> GateAnswer:
     async def ask() -> GateAnswer:
         client = tc_aio.InferenceServerClient(url)
         try:
-            return await job_start(client)
+            return await job_start(client, timeout_s=timeout_s)
         finally:
             await client.close()
 
     return asyncio.run(ask())
 
 
+# A poll's deadline: a job start that reached a Triton just before it froze waits for the
+# gateway's upstream keepalive (gateway/envoy.yaml, 15 s), longer than a poll may take.
+POLL_DEADLINE_S = 2.0
+
+
 def gate_is(url: str, status: str) -> bool | GateAnswer:
-    """True once RepositoryIndex gets `status` ("OK" or a gRPC status), else the answer."""
-    answer = gate_answer(url)
+    """True once RepositoryIndex gets `status` ("OK" or a gRPC status), else the answer (a
+    call still unanswered after POLL_DEADLINE_S counts as not yet)."""
+    answer = gate_answer(url, timeout_s=POLL_DEADLINE_S)
     return True if answer.status == status else answer
 
 

@@ -5,8 +5,9 @@ connection with the `statistic` match's random probabilities (1/n, 1/(n-1), ...,
 kube-proxy's KUBE-SVC chains do; an established connection keeps its endpoint (conntrack), so
 a terminating pod keeps the connections it has and gets no new one. With no endpoint the
 Service rejects the connection at once (icmp port unreachable), as kube-proxy's
-"has no endpoints" rule does. Each rewrite is one iptables-restore: atomic, never a moment
-without rules.
+"has no endpoints" rule does, reached as kube-proxy reaches it: only for a connection's first
+packet (`--ctstate NEW`), so that no rule of this Service ever touches an established one.
+Each rewrite is one iptables-restore: atomic, never a moment without rules.
 """
 
 from __future__ import annotations
@@ -33,12 +34,19 @@ def _restore(rules: str) -> None:
         raise NetworkError(f"iptables-restore: {done.stderr.strip()}\n{rules}")
 
 
+# kube-proxy's jumps from OUTPUT: every new connection to the NAT chain, and, in the filter
+# table, only a connection's first packet to the "has no endpoints" rules.
+_JUMPS = (("nat", NAT_CHAIN, ()), ("filter", FILTER_CHAIN, ("-m", "conntrack", "--ctstate", "NEW")))
+
+
 def remove_leftovers() -> None:
-    """This simulation's chains and the jumps to them, whoever made them."""
-    for table, hook, chain in (("nat", "OUTPUT", NAT_CHAIN), ("filter", "OUTPUT", FILTER_CHAIN)):
-        while subprocess.run(["iptables", "-w", "-t", table, "-D", hook, "-j", chain],
-                             capture_output=True, check=False).returncode == 0:
-            pass
+    """This simulation's chains and the jumps to them, whoever made them (a run before
+    kube-proxy's `--ctstate NEW` jumped to the filter chain without it)."""
+    for table, chain, match in _JUMPS:
+        for spec in {match, ()}:
+            while subprocess.run(["iptables", "-w", "-t", table, "-D", "OUTPUT", *spec, "-j",
+                                  chain], capture_output=True, check=False).returncode == 0:
+                pass
         _iptables("-t", table, "-F", chain, check=False)
         _iptables("-t", table, "-X", chain, check=False)
 
@@ -53,10 +61,9 @@ class ServiceIp:
 
     def start(self) -> None:
         remove_leftovers()
-        _iptables("-t", "nat", "-N", NAT_CHAIN)
-        _iptables("-t", "nat", "-A", "OUTPUT", "-j", NAT_CHAIN)
-        _iptables("-t", "filter", "-N", FILTER_CHAIN)
-        _iptables("-t", "filter", "-A", "OUTPUT", "-j", FILTER_CHAIN)
+        for table, chain, match in _JUMPS:
+            _iptables("-t", table, "-N", chain)
+            _iptables("-t", table, "-A", "OUTPUT", *match, "-j", chain)
         self.set_endpoints([])
 
     def set_endpoints(self, addresses: list[str]) -> None:
