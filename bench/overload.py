@@ -23,6 +23,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+import tritonclient.grpc
 import tritonclient.grpc.aio as tc_aio
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
@@ -215,13 +216,48 @@ def overload(url: str, seconds: float = 60.0) -> OverloadRun:
     return result
 
 
+@dataclass
+class TritonCounts:
+    """One Triton's cumulative statistics of MODEL (its own, not the client's view)."""
+
+    executions: int
+    calls: int
+    queue_ns: int
+    compute_ns: int
+
+    @classmethod
+    def read(cls, url: str) -> TritonCounts:
+        stats = tritonclient.grpc.InferenceServerClient(url).get_inference_statistics(
+            MODEL, as_json=True)["model_stats"][0]
+        inference = stats["inference_stats"]
+        # Protobuf's JSON leaves out what is zero.
+        return cls(int(stats.get("execution_count", 0)), int(stats.get("inference_count", 0)),
+                   int(inference.get("queue", {}).get("ns", 0)),
+                   int(inference.get("compute_infer", {}).get("ns", 0)))
+
+    def since(self, before: TritonCounts, seconds: float) -> str:
+        executions, calls = self.executions - before.executions, self.calls - before.calls
+        return (f"{executions / seconds:.1f} executions/s of {calls / max(executions, 1):.1f} "
+                f"calls, per call {(self.queue_ns - before.queue_ns) / max(calls, 1) / 1e6:.0f} "
+                f"ms queued and {(self.compute_ns - before.compute_ns) / max(calls, 1) / 1e6:.0f}"
+                " ms executing")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=60.0)
     args = parser.parse_args(argv)
     print("overload: starting the stack (gateway, 2 pods)", flush=True)
     with saturable_stack() as running:
-        print(overload(running.url("GRPC_PORT"), args.seconds).summary(), flush=True)
+        tritons = [running.triton_url(pod) for pod in range(TRITONS)]
+        before = [TritonCounts.read(url) for url in tritons]
+        run = overload(running.url("GRPC_PORT"), args.seconds)
+        print(run.summary(), flush=True)
+        # Where the admitted calls' time went, by each Triton's own statistics over the load's
+        # seconds (the 20 unloaded calls before it count in: a few percent of the executions).
+        for url, earlier in zip(tritons, before, strict=True):
+            print(f"  Triton {url}: {TritonCounts.read(url).since(earlier, args.seconds)}",
+                  flush=True)
     return 0
 
 

@@ -39,8 +39,8 @@ from local_stack.polling import until
 from tests.support.sockets import listening_pid
 
 STALE_S = 3
-# An admitted call waits behind the batch executing, the batch Triton's batcher already holds
-# and a queue of one batch: about four executions, measured 3.6x the unloaded p99 here.
+# An admitted call waits in Triton's queue (336-354 ms on average by Triton's own statistics,
+# while executions take 200 ms): measured 3.6x the unloaded p99 here (docs/admission.md).
 ADMITTED_P99_BOUND = 5
 # Refusals take ~5 ms; the slowest of thousands meets a pause of this 2-core machine.
 REFUSED_P99_S = 0.05
