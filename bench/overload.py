@@ -227,8 +227,11 @@ class TritonCounts:
 
     @classmethod
     def read(cls, url: str) -> TritonCounts:
-        stats = tritonclient.grpc.InferenceServerClient(url).get_inference_statistics(
-            MODEL, as_json=True)["model_stats"][0]
+        client = tritonclient.grpc.InferenceServerClient(url)
+        try:
+            stats = client.get_inference_statistics(MODEL, as_json=True)["model_stats"][0]
+        finally:
+            client.close()
         inference = stats["inference_stats"]
         # Protobuf's JSON leaves out what is zero.
         return cls(int(stats.get("execution_count", 0)), int(stats.get("inference_count", 0)),
