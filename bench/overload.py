@@ -174,6 +174,25 @@ def gate_is(url: str, status: str) -> bool | GateAnswer:
     return True if answer.status == status else answer
 
 
+async def open_loop(stub: service_pb2_grpc.GRPCInferenceServiceStub, rate: float,
+                    seconds: float, start: float, in_flight: int | None = None,
+                    ) -> tuple[list[Outcome], int]:
+    """Calls at `rate` from `start` for `seconds`, each at its time whatever came back (open
+    loop): how they ended. With `in_flight`, a call due while that many are under way is
+    refused by the caller instead (as a gateway's bound would), and counted."""
+    calls: list[asyncio.Task[Outcome]] = []
+    refused_here = 0
+    for i in range(int(seconds * rate)):
+        delay = start + i / rate - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        if in_flight is not None and sum(not c.done() for c in calls) >= in_flight:
+            refused_here += 1
+            continue
+        calls.append(asyncio.create_task(infer(stub)))
+    return list(await asyncio.gather(*calls)), refused_here
+
+
 def overload(url: str, seconds: float = 60.0) -> OverloadRun:
     """The unloaded latency, then arrivals at twice the capacity for `seconds` with a job
     start every half second, then how long until the gate opens again."""
@@ -197,17 +216,11 @@ def overload(url: str, seconds: float = 60.0) -> OverloadRun:
                     await asyncio.sleep(0.5)
 
             watcher = asyncio.create_task(watch_gate())
-            calls = []
             rate = 2 * CAPACITY_PER_S
-            for i in range(int(seconds * rate)):
-                delay = start + i / rate - time.monotonic()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                calls.append(asyncio.create_task(infer(stub)))
-            outcomes = await asyncio.gather(*calls)
+            outcomes, _ = await open_loop(stub, rate, seconds, start)
             await watcher
             await client.close()
-            return OverloadRun(seconds, rate, unloaded, list(outcomes), gate)
+            return OverloadRun(seconds, rate, unloaded, outcomes, gate)
 
     result = asyncio.run(run())
     gone = time.monotonic()

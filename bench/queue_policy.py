@@ -26,7 +26,7 @@ import grpc
 from tritonclient.grpc import service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-from bench.overload import EXEC_S, MODEL, Outcome, TritonCounts, infer, p99
+from bench.overload import EXEC_S, MODEL, TritonCounts, infer, open_loop, p99
 from local_stack import triton
 from local_stack.harness import TEST_MODELS
 from local_stack.polling import until
@@ -85,18 +85,9 @@ async def _load(url: str, seconds: float, in_flight: int | None) -> str:
         stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
         alone = [(await infer(stub)).took_s for _ in range(10)]
         before = TritonCounts.read(url)
-        rate, start = 2 * CAPACITY_PER_S, time.monotonic()
-        calls: list[asyncio.Task[Outcome]] = []
-        refused_here = 0
-        for i in range(int(seconds * rate)):
-            delay = start + i / rate - time.monotonic()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            if in_flight is not None and sum(not c.done() for c in calls) >= in_flight:
-                refused_here += 1
-                continue
-            calls.append(asyncio.create_task(infer(stub)))
-        outcomes = await asyncio.gather(*calls)
+        rate = 2 * CAPACITY_PER_S
+        outcomes, refused_here = await open_loop(stub, rate, seconds, time.monotonic(),
+                                                 in_flight)
     admitted = [o.took_s for o in outcomes if o.status == "OK"]
     return (f"{rate:.0f} calls/s for {seconds:.0f} s: admitted {len(admitted) / seconds:.1f}/s, "
             f"p99 {p99(admitted) * 1000:.0f} ms (one call alone {p99(alone) * 1000:.0f} ms), "
