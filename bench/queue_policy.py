@@ -26,15 +26,16 @@ import grpc
 from tritonclient.grpc import service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-from bench.overload import EXEC_S, MODEL, TritonCounts, infer, open_loop, p99
+from bench import overload
+from bench.overload import MODEL, TritonCounts, infer, open_loop, p99
 from local_stack import triton
 from local_stack.harness import TEST_MODELS
 from local_stack.polling import until
 from local_stack.ports import free_ports
 from local_stack.settings import TritonPorts
 
-# One Triton's capacity: a batch of up to 4 per execution (tests/models/queue_limited).
-CAPACITY_PER_S = 4 / EXEC_S
+# One Triton's share of the overload cell's capacity.
+CAPACITY_PER_S = overload.CAPACITY_PER_S / overload.TRITONS
 # Calls under way on the Triton when the bound is outside it: the batch executing and the next.
 IN_FLIGHT = 8
 QUEUE_POLICY = re.compile(r"\n\s*default_queue_policy \{[^}]*\}\n")
@@ -64,8 +65,9 @@ def run(directory: Path, bounded: bool, seconds: float) -> str:
     try:
         until("Triton to serve the model", lambda: _ready(url), 120)
         outside = None if bounded else IN_FLIGHT
-        return asyncio.run(_load(url, seconds, outside)) + (
-            " (Triton's queue of 4)" if bounded else f" (no queue policy, {IN_FLIGHT} in flight)")
+        how = ("the model's queue policy as shipped" if bounded
+               else f"no queue policy, {IN_FLIGHT} in flight")
+        return f"{asyncio.run(_load(url, seconds, outside))} ({how})"
     finally:
         server.terminate()
         server.wait(timeout=30)
