@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import grpc
@@ -83,21 +84,28 @@ class Cluster:
     def wait_gone(self, pod: str, timeout_s: float = 200) -> None:
         self.wait_for(rf"{re.escape(SAID)} {re.escape(pod)}: gone$", timeout_s)
 
-    def envoy_hosts(self, gateway: str, cluster_name: str = "triton") -> dict[str, list[str]]:
-        """What one gateway pod's Envoy thinks of each Triton: address -> health flags (its
-        admin interface answers on the pod's loopback only)."""
+    def _envoy_host_statuses(self, gateway: str, cluster_name: str) -> list[dict[str, Any]]:
+        """One gateway pod's Envoy's hosts of `cluster_name` (its admin interface answers on
+        the pod's loopback only)."""
         done = subprocess.run(["ip", "netns", "exec", f"srk-{gateway}", "wget", "-q", "-O-",
                                "http://127.0.0.1:9901/clusters?format=json"],
                               capture_output=True, text=True, timeout=10, check=True)
-        found: dict[str, list[str]] = {}
-        for cluster in json.loads(done.stdout).get("cluster_statuses", []):
-            if cluster.get("name") != cluster_name:
-                continue
-            for host in cluster.get("host_statuses", []):
-                address = host["address"]["socket_address"]["address"]
-                found[address] = sorted(k for k, v in host.get("health_status", {}).items()
-                                        if v is True)
-        return found
+        return [host for cluster in json.loads(done.stdout).get("cluster_statuses", [])
+                if cluster.get("name") == cluster_name
+                for host in cluster.get("host_statuses", [])]
+
+    def envoy_hosts(self, gateway: str, cluster_name: str = "triton") -> dict[str, list[str]]:
+        """What one gateway pod's Envoy thinks of each Triton: address -> health flags."""
+        return {host["address"]["socket_address"]["address"]:
+                sorted(k for k, v in host.get("health_status", {}).items() if v is True)
+                for host in self._envoy_host_statuses(gateway, cluster_name)}
+
+    def calls_under_way(self, pod_ip: str, cluster_name: str = "triton") -> int:
+        """The calls the ready gateway pods' Envoys have under way on the Triton at `pod_ip`."""
+        return sum(int(stat.get("value", 0)) for gateway in self.ready_pods("gateway")
+                   for host in self._envoy_host_statuses(gateway, cluster_name)
+                   if host["address"]["socket_address"]["address"] == pod_ip
+                   for stat in host.get("stats", []) if stat.get("name") == "rq_active")
 
     def connection_counters(self, gateway: str) -> str:
         """Why a gateway pod's client connections ended, for a failing test's message: its
