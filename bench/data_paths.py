@@ -22,7 +22,6 @@ import asyncio
 import contextlib
 import json
 import os
-import secrets
 import ssl
 import statistics
 import tempfile
@@ -41,11 +40,8 @@ from tritonclient.utils import InferenceServerException
 
 from local_stack import triton
 from local_stack.harness import TLS_LINE, RunningStack, running_stack
-from local_stack.polling import until
-from local_stack.ports import free_ports
-from local_stack.processes import session_members, spawn
+from local_stack.processes import session_members
 from local_stack.ray_cluster import replicas
-from local_stack.settings import TritonPorts
 from local_stack.triton_inputs import simple_inputs, tensor
 
 RESULTS = Path(__file__).resolve().parent.parent / "bench-results"
@@ -250,35 +246,23 @@ def _triton_with_tls(running: RunningStack, ca: Path) -> Iterator[tuple[str, int
     """A second Triton on the stack's models serving gRPC with TLS (the stack's server
     certificate, signed by `ca`), as a site without a gateway would: its address and pid."""
     server = ca.parent.parent / "server"
-    grpc, http, metrics = free_ports(3)
-    with tempfile.TemporaryDirectory(prefix="sonic-ray-bench-") as work:
-        cmd = triton.command(running.model_repository,
-                             triton.prepare_backends(Path(work) / "backends"),
-                             TritonPorts(http=http, grpc=grpc, metrics=metrics),
-                             secrets.token_hex(16),
-                             ("--grpc-use-ssl=true", f"--grpc-server-cert={server / 'tls.crt'}",
-                              f"--grpc-server-key={server / 'tls.key'}"))
-        process = spawn(cmd, Path(work) / "triton-tls.log", triton.environment())
-        url = f"localhost:{grpc}"
 
+    def ready(url: str) -> object:
         client = tc.InferenceServerClient(url, ssl=True, root_certificates=str(ca))
-
-        def ready() -> object:
-            if process.poll() is not None:
-                raise RuntimeError(f"the TLS Triton exited ({process.returncode}): "
-                                   + (Path(work) / "triton-tls.log").read_text()[-2000:])
-            try:
-                return bool(client.is_model_ready("identity_fp32")) or "models loading"
-            except InferenceServerException as error:
-                return str(error)
-
         try:
-            until("the TLS Triton ready", ready, 120, every_s=1)
-            yield url, process.pid
+            return bool(client.is_model_ready("identity_fp32")) or "models loading"
+        except InferenceServerException as error:
+            return str(error)
         finally:
             client.close()
-            process.terminate()
-            process.wait(timeout=30)
+
+    tls = ("--grpc-use-ssl=true", f"--grpc-server-cert={server / 'tls.crt'}",
+           f"--grpc-server-key={server / 'tls.key'}")
+    with tempfile.TemporaryDirectory(prefix="sonic-ray-bench-") as directory:
+        work = Path(directory)
+        with triton.lone(running.model_repository, triton.prepare_backends(work / "backends"),
+                         work / "triton-tls.log", ready, tls) as running_triton:
+            yield running_triton
 
 
 def run_mode(mode: str, protocols: list[str], sizes: list[str], concurrencies: list[int],

@@ -181,15 +181,22 @@ async def open_loop(stub: service_pb2_grpc.GRPCInferenceServiceStub, rate: float
     loop): how they ended. With `in_flight`, a call due while that many are under way is
     refused by the caller instead (as a gateway's bound would), and counted."""
     calls: list[asyncio.Task[Outcome]] = []
-    refused_here = 0
+    refused_here = under_way = 0
+
+    def ended(_: asyncio.Task[Outcome]) -> None:
+        nonlocal under_way
+        under_way -= 1
+
     for i in range(int(seconds * rate)):
         delay = start + i / rate - time.monotonic()
         if delay > 0:
             await asyncio.sleep(delay)
-        if in_flight is not None and sum(not c.done() for c in calls) >= in_flight:
+        if in_flight is not None and under_way >= in_flight:
             refused_here += 1
             continue
         calls.append(asyncio.create_task(infer(stub)))
+        under_way += 1
+        calls[-1].add_done_callback(ended)
     return list(await asyncio.gather(*calls)), refused_here
 
 

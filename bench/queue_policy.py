@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import re
 import shutil
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -30,9 +29,6 @@ from bench import overload
 from bench.overload import MODEL, TritonCounts, infer, open_loop, p99
 from local_stack import triton
 from local_stack.harness import TEST_MODELS
-from local_stack.polling import until
-from local_stack.ports import free_ports
-from local_stack.settings import TritonPorts
 
 # One Triton's share of the overload cell's capacity.
 CAPACITY_PER_S = overload.CAPACITY_PER_S / overload.TRITONS
@@ -53,32 +49,21 @@ def model_repository(into: Path, bounded: bool) -> Path:
     return into
 
 
-def run(directory: Path, bounded: bool, seconds: float) -> str:
-    ports = TritonPorts(*free_ports(3))
+def run(directory: Path, backends: Path, bounded: bool, seconds: float) -> str:
     repo = model_repository(directory / ("bounded" if bounded else "unbounded"), bounded)
-    backends = triton.prepare_backends(directory / "backends")
-    url = f"localhost:{ports.grpc}"
-    with (directory / "triton.log").open("a") as log:
-        server = subprocess.Popen(triton.command(repo, backends, ports, "bench"),
-                                  env=triton.environment(), stdout=log,
-                                  stderr=subprocess.STDOUT)
-    try:
-        until("Triton to serve the model", lambda: _ready(url), 120)
+    with triton.lone(repo, backends, directory / "triton.log", _ready) as (url, _):
         outside = None if bounded else IN_FLIGHT
         how = ("the model's queue policy as shipped" if bounded
                else f"no queue policy, {IN_FLIGHT} in flight")
         return f"{asyncio.run(_load(url, seconds, outside))} ({how})"
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
 
 
-def _ready(url: str) -> bool:
+def _ready(url: str) -> object:
     try:
         TritonCounts.read(url)
         return True
-    except InferenceServerException:  # not up, or the model not loaded yet
-        return False
+    except InferenceServerException as error:  # not up, or the model not loaded yet
+        return str(error)
 
 
 async def _load(url: str, seconds: float, in_flight: int | None) -> str:
@@ -102,8 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=20.0)
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="sonic-ray-queue-policy-") as directory:
+        backends = triton.prepare_backends(Path(directory) / "backends")
         for bounded in (True, False):
-            print(run(Path(directory), bounded, args.seconds), flush=True)
+            print(run(Path(directory), backends, bounded, args.seconds), flush=True)
     return 0
 
 

@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import secrets
 import shutil
 import signal
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-from local_stack.processes import Supervisor
+from local_stack.polling import until
+from local_stack.ports import free_ports
+from local_stack.processes import Supervisor, spawn
 from local_stack.settings import TritonPorts
 from triton_pod.access import ADMIN_KEY_NAME
 
@@ -86,6 +90,32 @@ def environment_additions() -> dict[str, str]:
 
 def environment() -> dict[str, str]:
     return {**os.environ, **environment_additions()}
+
+
+@contextmanager
+def lone(model_repository: Path, backends: Path, log: Path, ready: Callable[[str], object],
+         extra_args: tuple[str, ...] = ()) -> Iterator[tuple[str, int]]:
+    """One Triton outside any stack (a bench's comparison): its gRPC address and pid once
+    `ready(address)` returns True (anything else says why not). A Triton that exits before is
+    an error with its log's tail at once, not after the wait."""
+    grpc, http, metrics = free_ports(3)
+    process = spawn(command(model_repository, backends,
+                            TritonPorts(http=http, grpc=grpc, metrics=metrics),
+                            secrets.token_hex(16), extra_args), log, environment())
+    url = f"localhost:{grpc}"
+
+    def started() -> object:
+        if process.poll() is not None:
+            raise RuntimeError(f"Triton exited ({process.returncode}): "
+                               + log.read_text(errors="replace")[-2000:])
+        return ready(url)
+
+    try:
+        until(f"Triton on {model_repository} ready", started, 120, every_s=0.5)
+        yield url, process.pid
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
 
 
 class TritonSupervisor(Supervisor):

@@ -41,7 +41,9 @@ from tests.support.sockets import listening_pid
 
 STALE_S = 3
 # An admitted call waits in Triton's queue (336-354 ms on average by Triton's own statistics,
-# while executions take 200 ms): measured 3.6x the unloaded p99 here (docs/admission.md).
+# while executions take 200 ms; with its queue full Triton idles up to 500 ms after a batch):
+# measured 3.6x the unloaded p99 here. The 2x is met by no bound measured through the
+# gateway (2.1-2.5x at best; docs/admission.md, "Why 2x is the edge").
 ADMITTED_P99_BOUND = 5
 # Refusals take ~5 ms; the slowest of thousands meets a pause of this 2-core machine.
 REFUSED_P99_S = 0.05
