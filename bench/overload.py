@@ -1,8 +1,8 @@
 """`make bench`'s overload cell: the gateway at twice what its Tritons serve.
 
 Two simulated pods at max_replicas serve the queue-bounded `queue_limited` model (tests/models:
-0.2 s per batch of up to 4, a queue of 4, Triton's own queue policy); open-loop arrivals at twice
-that capacity. Reports what was admitted (req/s, p99 against the unloaded p99), how fast the
+0.2 s per batch, two instances, Triton's own queue policy); open-loop arrivals at twice that
+capacity. Reports what was admitted (req/s, p99 against the unloaded p99), how fast the
 rest was refused (RESOURCE_EXHAUSTED with a retry hint) and what share, and when the
 start-of-job gate closed and opened again (docs/admission.md). tests/stack/test_admission.py
 runs the same cell and asserts its outcome.
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import re
 import tempfile
 import time
 from collections.abc import Iterator
@@ -28,14 +29,28 @@ import tritonclient.grpc.aio as tc_aio
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-from local_stack.harness import RunningStack, running_stack, serve_config_with
+from local_stack.harness import TEST_MODELS, RunningStack, running_stack, serve_config_with
 from local_stack.polling import until
 
 MODEL = "queue_limited"
-# One execution (a batch of up to 4) takes this long: 2 Tritons serve 2 x 4 / 0.2 = 40 calls/s.
+
+
+def model_setting(name: str) -> int:
+    """One number of the model's config (tests/models/queue_limited/config.pbtxt, its home)."""
+    config = TEST_MODELS / MODEL / "config.pbtxt"
+    found = re.findall(rf"\b{name}: (\d+)", config.read_text())
+    if len(found) != 1:
+        raise RuntimeError(f"{config}: expected one {name}, found {found}")
+    return int(found[0])
+
+
+# One execution (a batch of up to BATCH) takes this long, whatever the batch; the Tritons serve
+# CAPACITY_PER_S between them.
 EXEC_S = 0.2
 TRITONS = 2
-CAPACITY_PER_S = TRITONS * 4 / EXEC_S
+BATCH = model_setting("max_batch_size")
+INSTANCES = model_setting("count")
+CAPACITY_PER_S = TRITONS * INSTANCES * BATCH / EXEC_S
 DEADLINE_S = 10.0
 # The site's settings of the run, as the admission ConfigMap would give them.
 SATURATED_QUEUE_MS = 150

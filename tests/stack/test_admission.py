@@ -24,6 +24,7 @@ import pytest
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from bench.overload import (
+    AUTOSCALING,
     DEADLINE_S,
     EXEC_S,
     MODEL,
@@ -40,10 +41,10 @@ from local_stack.polling import until
 from tests.support.sockets import listening_pid
 
 STALE_S = 3
-# An admitted call waits in Triton's queue (336-354 ms on average by Triton's own statistics,
-# while executions take 200 ms; with its queue full Triton idles up to 500 ms after a batch):
-# measured 3.6x the unloaded p99 here. The issue's 2x is met by no bound measured through the
-# gateway (2.1-2.5x at best; docs/admission.md, "Why 2x is the edge").
+# An admitted call may wait for the batch executing, then run its own: near two executions
+# against one unloaded (docs/admission.md, "Why 2x is the edge"), and Triton's batcher still
+# leaves an instance idle up to 500 ms now and then: measured 1.8-3.5x the unloaded p99 here
+# (3.6x with one instance, which idles after most batches). The issue's 2x is not always met.
 ADMITTED_P99_BOUND = 5
 # Refusals take ~5 ms; the slowest of thousands meets a pause of this 2-core machine.
 REFUSED_P99_S = 0.05
@@ -105,11 +106,28 @@ def test_http_beyond_the_queue_gets_429_with_retry_after(saturable: RunningStack
             assert "Exceeds maximum queue size" in json.loads(text)["error"]
 
 
+# How long the control plane's word lags a load: Serve's look-back and metrics interval, the
+# gateway's next question (each second).
+SIGNAL_LAG_S = AUTOSCALING["look_back_period_s"] + AUTOSCALING["metrics_interval_s"] + 1
+
+
 def _from_an_open_gate(url: str) -> None:
     """Waits out the saturation an earlier test's load left: a test of another reason for the
     gate starts with it open, else its answers say "saturated" (the control plane's word comes
-    first; seen after the 429 test's load, through the next two tests)."""
-    until("the gate to open after the earlier load", lambda: gate_is(url, "OK"), REOPEN_S)
+    first; seen after the 429 test's load, through the next two tests). Open for SIGNAL_LAG_S
+    on end: open once may be before the control plane has seen that load (seen: open, then
+    "saturated" while the Tritons were stopped)."""
+    opened: list[float] = []
+
+    def stays_open() -> object:
+        answer = gate_is(url, "OK")
+        if answer is not True:
+            opened.clear()
+            return answer
+        opened.append(time.monotonic())
+        return opened[-1] - opened[0] >= SIGNAL_LAG_S or f"open for {opened[-1] - opened[0]:.1f} s"
+
+    until("the gate to stay open after the earlier load", stays_open, REOPEN_S + SIGNAL_LAG_S)
 
 
 def test_no_triton_ready_closes_the_gate_and_one_ready_opens_it(saturable: RunningStack) -> None:

@@ -1,6 +1,6 @@
 """Fair share per tenant at the gateway (gateway/tenant_shares.py), on a stack of its own: two
 simulated pods (TRITONS=2) serving the queue-bounded `queue_limited` model (bench/overload.py:
-40 calls/s), two tenants by their static tokens' names, each with a share in
+80 calls/s), two tenants by their static tokens' names, each with a share in
 SONIC_RAY_TENANT_SHARES. One tenant floods at ten times its share, as much as the GPUs serve:
 the other's p99 stays within FAIR_P99_BOUND of its p99 while the flooder keeps to its share, the
 flood's excess ends at once
@@ -27,7 +27,7 @@ from tests.support.callers import (
 )
 
 FLOOD, STEADY = "tok-flood-7a21", "tok-steady-3c90"
-FLOOD_SHARE, STEADY_SHARE = 4, 20
+FLOOD_SHARE, STEADY_SHARE = 8, 20
 FLOOD_PER_S = 10 * FLOOD_SHARE
 STEADY_PER_S = 4
 assert FLOOD_PER_S >= CAPACITY_PER_S  # unshared, the flood alone would fill the GPUs
@@ -105,7 +105,7 @@ def test_a_tenant_flooding_at_ten_times_its_share_leaves_the_other_its_latency(
     assert len(admitted) <= FLOOD_SHARE * (SECONDS + 2), len(admitted)
     assert len(admitted) >= FLOOD_SHARE * (SECONDS - 2), len(admitted)
     # At the gateway a refusal takes a millisecond or two (its access log); the client on
-    # this 2-core machine, sharing it with two Tritons and 44 calls/s, sees a longer tail
+    # this 2-core machine, sharing it with two Tritons and 84 calls/s, sees a longer tail
     # (1 ms and 7-15 ms at p99 measured).
     log = Path(shared.process.wait_for_line(r"access log \(a JSON line per call\): (\S+)",
                                             1).group(1))

@@ -27,7 +27,7 @@ NOT_TARGETS = {"sure", "it", "them", "the", "a", "one", "up", "target"}
 # Quoted as other projects' names (Kubernetes, Ray, Triton, Envoy, Prometheus, Flux...), not
 # ours: only our own variables must be set somewhere in this repository.
 FOREIGN_VARIABLE_PREFIXES = ("RAY_", "KUBERNETES_", "NVIDIA_", "CUDA_", "LD_", "XDG_", "PR_",
-                             "SC_", "HTTP_", "SSL_", "GRPC_", "PYTHON")
+                             "SC_", "HTTP_", "SSL_", "GRPC_", "PYTHON", "KIND_")
 
 
 def _tracked() -> list[Path]:
