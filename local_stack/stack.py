@@ -191,6 +191,8 @@ class Discovery:
         self._channels = {i: grpc.insecure_channel(f"localhost:{stack.settings.triton(i).grpc}")
                           for i in range(stack.settings.tritons)}
         self._pod_of_pid: dict[int, int | None] = {}
+        self._replica_pods: set[int] = set()
+        self._unanswered = False
         gateway.write_endpoints(self.path, [])
         gateway.write_endpoints(self.http_path, [], HTTP_CLUSTER)
         self._stop = threading.Event()
@@ -201,17 +203,26 @@ class Discovery:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=10)
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
         for channel in self._channels.values():
             channel.close()
 
     def replica_pods(self) -> set[int]:
-        """The pods where Serve runs a replica now (the autoscaler's view too)."""
+        """The pods where Serve runs a replica now (the autoscaler's view too). While the
+        dashboard does not answer, the last answer: in the cluster a pod's readiness comes from
+        its node's Serve proxy (KubeRay's readiness probe), so a slow dashboard changes nothing
+        that the Service lists."""
         s = self._stack.settings
         try:
             found = ray_cluster.replicas(self._stack.dashboard, s.ray_token)
-        except (urllib.error.URLError, OSError, ValueError):
-            return set()
+        except (urllib.error.URLError, OSError, ValueError) as error:
+            if not self._unanswered:
+                say(f"gateway discovery: Ray's dashboard did not answer ({error}); "
+                    f"pods {sorted(self._replica_pods)} stay as they were")
+            self._unanswered = True
+            return set(self._replica_pods)
+        self._unanswered = False
         by_address = {f"localhost:{s.triton(i).grpc}": i for i in range(s.tritons)}
         pods = set()
         for replica in found:
@@ -223,6 +234,7 @@ class Discovery:
                 pod = self._pod_of_pid[pid]
                 if pod is not None:
                     pods.add(pod)
+        self._replica_pods = pods
         return pods
 
     def _run(self) -> None:
