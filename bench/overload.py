@@ -29,6 +29,7 @@ import tritonclient.grpc.aio as tc_aio
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
+from gateway import local as gateway
 from local_stack.harness import TEST_MODELS, RunningStack, running_stack, serve_config_with
 from local_stack.polling import until
 
@@ -58,8 +59,24 @@ RETRY_AFTER_S = 1
 # Serve's autoscaling at test speed; min = max: the facility runs max_replicas.
 AUTOSCALING = {"metrics_interval_s": 0.5, "look_back_period_s": 2, "upscale_delay_s": 1,
                "downscale_delay_s": 4, "min_replicas": TRITONS, "max_replicas": TRITONS}
-# How soon the gate opens again once the load is gone: Serve's look-back (2 s here) and
-# metrics interval, the policy's next loop, the gateway's next question (1 s).
+GATEWAY_LUA = gateway.HERE / "client-checks.lua"
+
+
+def gateway_refresh_s() -> int:
+    """How often the gateway asks the control plane (REFRESH_S in gateway/client-checks.lua,
+    its home)."""
+    found = re.findall(r"^local REFRESH_S = (\d+)$", GATEWAY_LUA.read_text(), re.MULTILINE)
+    if len(found) != 1:
+        raise RuntimeError(f"{GATEWAY_LUA}: expected one REFRESH_S, found {found}")
+    return int(found[0])
+
+
+# How long the gateway's word lags the load: Serve's look-back and metrics interval, then the
+# gateway's next question.
+SIGNAL_LAG_S = (AUTOSCALING["look_back_period_s"] + AUTOSCALING["metrics_interval_s"]
+                + gateway_refresh_s())
+# How soon the gate opens again once the load is gone: the signal's lag, the policy's next
+# loop, and room for this machine's pauses.
 REOPEN_S = 15
 
 

@@ -3,12 +3,13 @@
 settings in the environment as the `admission` ConfigMap gives them (gateway/admission.env):
 a saturated facility refuses calls beyond Triton's queue at once with RESOURCE_EXHAUSTED and a
 retry hint, keeps the admitted calls' latency bounded, and turns new jobs away at
-RepositoryIndex (the start-of-job gate) while saturated, while no Triton is ready, and, by this
-site's rule, while the control plane's answer is stale. The load is make bench's overload cell
-(bench/overload.py)."""
+RepositoryIndex (the start-of-job gate) while saturated and while no Triton is ready; by the
+shipped rule, a stale word of the control plane turns no job away (the other rule:
+test_gate_closed_when_stale.py). The load is make bench's overload cell (bench/overload.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -18,49 +19,64 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import pytest
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from bench.overload import (
-    AUTOSCALING,
+    CAPACITY_PER_S,
     DEADLINE_S,
     EXEC_S,
     MODEL,
+    POLL_DEADLINE_S,
     REOPEN_S,
     RETRY_AFTER_S,
+    SIGNAL_LAG_S,
+    Outcome,
     gate_answer,
     gate_is,
+    open_loop,
     overload,
     p99,
     saturable_stack,
 )
 from local_stack.harness import RunningStack, processes_left_behind
 from local_stack.polling import until
+from tests.support.callers import lines_since
 from tests.support.sockets import listening_pid
 
 STALE_S = 3
 # An admitted call may wait for the batch executing, then run its own: near two executions
 # against one unloaded (docs/admission.md, "Why 2x is the edge"), and Triton's batcher still
-# leaves an instance idle up to 500 ms now and then: measured 1.8-3.5x the unloaded p99 here
+# leaves an instance idle up to 500 ms now and then: measured 1.8-3.6x the unloaded p99 here
 # (3.6x with one instance, which idles after most batches). The issue's 2x is not always met.
 ADMITTED_P99_BOUND = 5
 # Refusals take ~5 ms; the slowest of thousands meets a pause of this 2-core machine.
 REFUSED_P99_S = 0.05
 REFUSED_MAX_S = 0.25
+# The issue's bound for every refusal, held at the gateway but for this shared 2-core
+# machine's pauses (the slowest of ~5,000 refusals measured 15-114 ms at the client, 21 ms at
+# the gateway, the same pause): at most one refusal in REFUSED_PAUSED_SHARE over it.
+REFUSED_AT_GATEWAY_S = 0.05
+REFUSED_PAUSED_SHARE = 1 / 1000
+INFER_PATH = "/inference.GRPCInferenceService/ModelInfer"
+# How Envoy's %GRPC_STATUS% names RESOURCE_EXHAUSTED in the access log.
+REFUSED_STATUS = {"ResourceExhausted", "8"}
 
 
 @pytest.fixture(scope="module")
 def saturable() -> Iterator[RunningStack]:
-    with saturable_stack({"SONIC_RAY_GATE_WHEN_STALE": "closed",
-                          "SONIC_RAY_GATE_STALE_S": str(STALE_S)}) as running:
+    # The shipped stale rule (open), stale sooner than the shipped 10 s.
+    with saturable_stack({"SONIC_RAY_GATE_STALE_S": str(STALE_S)}) as running:
         yield running
     assert running.process.process.returncode == 0
     assert not processes_left_behind(running.process)
 
 
 def test_twice_the_capacity_is_refused_at_once_and_closes_the_gate(saturable: RunningStack) -> None:
+    since = time.time()
     run = overload(saturable.url("GRPC_PORT"), seconds=60)
     print(run.summary())
     admitted, refused = run.of("OK"), run.of("RESOURCE_EXHAUSTED")
@@ -69,6 +85,18 @@ def test_twice_the_capacity_is_refused_at_once_and_closes_the_gate(saturable: Ru
     assert refused and admitted
     assert p99([o.took_s for o in refused]) < REFUSED_P99_S
     assert max(o.took_s for o in refused) < REFUSED_MAX_S
+    # Every refusal as the gateway answered it (its access log): the client's own time adds
+    # this loaded 2-core machine's pauses.
+    log = Path(saturable.process.wait_for_line(r"access log \(a JSON line per call\): (\S+)",
+                                               1).group(1))
+    lines = lines_since(log, since, len(run.unloaded_s) + len(run.outcomes) + len(run.gate))
+    at_gateway = [line["duration_ms"] / 1000 for line in lines
+                  if line["path"] == INFER_PATH and line["grpc_status"] in REFUSED_STATUS]
+    print(f"refused at the gateway: {len(at_gateway)}, p99 {p99(at_gateway) * 1000:.1f} ms, "
+          f"slowest {max(at_gateway, default=0) * 1000:.1f} ms")
+    assert len(at_gateway) == len(refused), {line["grpc_status"] for line in lines}
+    slow = [took for took in at_gateway if took >= REFUSED_AT_GATEWAY_S]
+    assert len(slow) <= REFUSED_PAUSED_SHARE * len(at_gateway), sorted(at_gateway)[-10:]
     assert {o.trailers.get("grpc-retry-pushback-ms") for o in refused} == {
         str(RETRY_AFTER_S * 1000)}
     # The start-of-job gate closed while saturated, answered at once, and opened again.
@@ -106,26 +134,23 @@ def test_http_beyond_the_queue_gets_429_with_retry_after(saturable: RunningStack
             assert "Exceeds maximum queue size" in json.loads(text)["error"]
 
 
-# How long the control plane's word lags a load: Serve's look-back and metrics interval, the
-# gateway's next question (each second).
-SIGNAL_LAG_S = AUTOSCALING["look_back_period_s"] + AUTOSCALING["metrics_interval_s"] + 1
-
-
 def _from_an_open_gate(url: str) -> None:
     """Waits out the saturation an earlier test's load left: a test of another reason for the
     gate starts with it open, else its answers say "saturated" (the control plane's word comes
     first; seen after the 429 test's load, through the next two tests). Open for SIGNAL_LAG_S
     on end: open once may be before the control plane has seen that load (seen: open, then
     "saturated" while the Tritons were stopped)."""
-    opened: list[float] = []
+    open_since: float | None = None
 
     def stays_open() -> object:
+        nonlocal open_since
         answer = gate_is(url, "OK")
         if answer is not True:
-            opened.clear()
+            open_since = None
             return answer
-        opened.append(time.monotonic())
-        return opened[-1] - opened[0] >= SIGNAL_LAG_S or f"open for {opened[-1] - opened[0]:.1f} s"
+        now = time.monotonic()
+        open_since = open_since or now
+        return now - open_since >= SIGNAL_LAG_S or f"open for {now - open_since:.1f} s"
 
     until("the gate to stay open after the earlier load", stays_open, REOPEN_S + SIGNAL_LAG_S)
 
@@ -211,23 +236,52 @@ def _http_answers(url: str) -> dict[str, tuple[int, str | None, str]]:
     return answers
 
 
-def test_stale_signal_closes_the_gate_by_this_sites_rule(saturable: RunningStack) -> None:
-    """SONIC_RAY_GATE_WHEN_STALE=closed here: with the control plane's answer gone (the Serve
-    controller that serves it stopped), new jobs are turned away after SONIC_RAY_GATE_STALE_S."""
+# Load long enough for the gate to close, its word to go stale and calls still to be refused
+# after it opened.
+STALE_LOAD_S = 20
+
+
+def _load(url: str, seconds: float, start: float) -> list[Outcome]:
+    """Arrivals at twice the capacity from `start`: call i starts at start + i / rate."""
+
+    async def run() -> list[Outcome]:
+        async with grpc.aio.insecure_channel(url) as channel:
+            stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+            outcomes, _ = await open_loop(stub, 2 * CAPACITY_PER_S, seconds, start)
+            return outcomes
+
+    return asyncio.run(run())
+
+
+def test_a_stale_word_turns_no_job_away_by_the_shipped_rule(saturable: RunningStack) -> None:
+    """SONIC_RAY_GATE_WHEN_STALE=open, gateway/admission.env's default: the control plane's
+    last word, "saturated", stops counting SONIC_RAY_GATE_STALE_S after its answers stopped
+    (the Serve controller that serves them stopped), and new jobs start though the Tritons are
+    still saturated: an outage of the control plane turns no job away while Tritons answer."""
     url = saturable.url("GRPC_PORT")
     _from_an_open_gate(url)
     controller = listening_pid(int(saturable.ports["ADMISSION_PORT"]))
-    os.kill(controller, signal.SIGSTOP)
-    stopped = time.monotonic()
-    try:
-        until("the gate to close", lambda: gate_is(url, "StatusCode.CANCELLED"), 15)
-        waited = time.monotonic() - stopped
-        answer = gate_answer(url)
-        assert answer.status == "StatusCode.CANCELLED", answer
-        assert "missing or older than" in answer.message
-        # Never before the answer it had went stale (os.time()'s whole seconds aside).
-        assert waited >= STALE_S - 1, waited
-        assert answer.took_s < 0.25, answer  # at most one unanswered question (100 ms) first
-    finally:
-        os.kill(controller, signal.SIGCONT)
-    until("the gate to open", lambda: gate_is(url, "OK"), 15)
+    start = time.monotonic() + 0.5
+    with ThreadPoolExecutor(1) as pool:
+        load = pool.submit(_load, url, STALE_LOAD_S, start)
+
+        def closed_for_saturation() -> object:
+            answer = gate_answer(url, timeout_s=POLL_DEADLINE_S)
+            return "saturated" in answer.message or answer
+
+        until("the gate to close for saturation", closed_for_saturation, 15)
+        os.kill(controller, signal.SIGSTOP)
+        stopped = time.monotonic()
+        try:
+            until("the gate to open with the control plane stopped",
+                  lambda: gate_is(url, "OK"), STALE_S + 10)
+            opened = time.monotonic()
+        finally:
+            os.kill(controller, signal.SIGCONT)
+        outcomes = load.result()
+    # Never before the word it had went stale (os.time()'s whole seconds aside).
+    assert opened - stopped >= STALE_S - 1, opened - stopped
+    rate = 2 * CAPACITY_PER_S
+    still_refused = [o for i, o in enumerate(outcomes)
+                     if start + i / rate > opened and o.status == "RESOURCE_EXHAUSTED"]
+    assert still_refused, "no call was refused after the gate opened: not saturated then"
