@@ -175,6 +175,28 @@ class JwksFollower:
         say("gateway: JWKS_FILE changed; the token checks use its keys now")
 
 
+def write_gateway_config(s: Settings, endpoints_file: Path, http_endpoints_file: Path,
+                         tls_folder: Path, access_log: Path | None,
+                         ) -> tuple[Path, JwksFollower]:
+    """Envoy's config for these settings beside the endpoints files (which discovery writes),
+    with the token checks' and tenant shares' configs it discovers from their folder: the
+    config's path, and what follows JWKS_FILE."""
+    jwks = JwksFollower(s, gateway.jwt_folder(endpoints_file))
+    jwks.write()
+    tenant_shares.write(gateway.jwt_folder(endpoints_file) / tenant_shares.SHARES_FILE,
+                        s.tenant_shares())
+    config_path = endpoints_file.parent / "envoy.yaml"
+    config_path.write_text(yaml.safe_dump(gateway.local_config(
+        s, endpoints_file, http_endpoints_file, tls_folder, access_log)))
+    return config_path, jwks
+
+
+def gateway_env(s: Settings, admin_key: str) -> dict[str, str]:
+    """Envoy's environment: the admission and front-door settings its Lua reads, and the admin
+    key it adds to the restricted RPCs that pass (gateway/envoy.yaml)."""
+    return {**os.environ, **s.admission_env(), **s.front_door_env(), ADMIN_KEY_ENV: admin_key}
+
+
 class Discovery:
     """Gateway path: which Tritons Envoy may call, rewritten as pods become ready or go.
     A pod is listed while its Triton is ready, Serve runs a replica on its node and it is not
@@ -436,25 +458,16 @@ class LocalStack:
     def _start_gateway(self) -> None:
         s = self.settings
         self.discovery = Discovery(self)
-        config_path = self.workdir / "gateway" / "envoy.yaml"
-        jwks = self.jwks = JwksFollower(s, gateway.jwt_folder(self.discovery.path))
-        jwks.write()
-        # The tenant shares' config beside the token checks' (both by discovery from there).
-        tenant_shares.write(gateway.jwt_folder(self.discovery.path) / tenant_shares.SHARES_FILE,
-                            s.tenant_shares())
         if s.tls:
             self.client_tls, _ = certificates.write_local(self.workdir / "tls")
-        config_path.write_text(yaml.safe_dump(gateway.local_config(
+        config_path, self.jwks = write_gateway_config(
             s, self.discovery.path, self.discovery.http_path, self.workdir / "tls",
-            self.access_log)))
-        # Envoy adds the admin key to the restricted RPCs that pass (gateway/envoy.yaml).
+            self.access_log)
         # Supervised: the gateway's Deployment has the kubelet restart a crashed Envoy, and
         # Envoy 1.40 has been seen to abort once at start (gRPC's epoll poller, EBADF).
         self.envoy = Supervisor("gateway: Envoy", gateway.command(config_path),
                                 self.workdir / "envoy.log",
-                                lambda: {**os.environ, **s.admission_env(),
-                                         **s.front_door_env(),
-                                         ADMIN_KEY_ENV: self.admin_key}, say)
+                                lambda: gateway_env(s, self.admin_key), say)
         self.envoy.start()
         say(f"gateway: Envoy listens on {s.grpc_port} (gRPC) and {s.http_port} (HTTP); "
             f"access log (a JSON line per call): {self.access_log}")

@@ -1,0 +1,109 @@
+"""The gateway's stale rule (gateway/client-checks.lua: SONIC_RAY_GATE_WHEN_STALE,
+SONIC_RAY_GATE_STALE_S) against a control plane that answers with the age of its word, as the
+policy's answer does (serve/triton_pod/admission.py): a real Envoy with the gateway's config,
+no Triton, and a stand-in control plane, the thing tested being the Lua. A fresh "closed"
+turns job starts away by either rule; an old one, or one the policy has not yet made, counts
+as the rule says. tests/stack/test_admission.py and test_gate_closed_when_stale.py stop the
+real control plane instead."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.overload import gate_answer
+from gateway import local as gateway
+from gateway.routes import HTTP_CLUSTER
+from local_stack.harness import stack_ports_env
+from local_stack.polling import until
+from local_stack.processes import spawn, terminate
+from local_stack.settings import Settings
+from local_stack.stack import gateway_env, write_gateway_config
+from tests.support.stand_in_http import serving
+
+STALE_S = 3
+SATURATED = "the GPUs are saturated (a stand-in's word)"
+# What a job start hears: the control plane's reason, the stale rule's, or, let through the
+# gate, the gateway's own answer while no Triton is ready.
+THE_WORD, STALE, PASSED = SATURATED, "missing or older than 3 s", "no Triton is ready"
+
+
+class Gateway:
+    def __init__(self, url: str, answer: dict[str, Any]) -> None:
+        self.url = url
+        self.answer = answer
+
+    def says(self, answer: dict[str, Any], words: str) -> None:
+        """Has the control plane answer `answer` until a job start hears `words` (the gateway
+        asks it at most once a second)."""
+        self.answer.clear()
+        self.answer.update(answer)
+
+        def heard() -> object:
+            got = gate_answer(self.url, timeout_s=2)
+            return (got.status == "StatusCode.CANCELLED" and words in got.message) or got
+
+        until(f"a job start to hear {words!r}", heard, 10)
+
+
+@pytest.fixture(params=["open", "closed"])
+def lone_gateway(request: pytest.FixtureRequest, tmp_path: Path,
+                 monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, Gateway]]:
+    rule = request.param
+    answer: dict[str, Any] = {}
+    with serving(lambda _, path: json.dumps(answer).encode()) as control_plane:
+        env = {**stack_ports_env(), "ADMISSION_PORT": str(control_plane),
+               "SONIC_RAY_GATE_WHEN_STALE": rule, "SONIC_RAY_GATE_STALE_S": str(STALE_S)}
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        settings = Settings.from_env(env)
+        folder = tmp_path / "gateway"
+        folder.mkdir()
+        endpoints, http_endpoints = folder / "endpoints.json", folder / "endpoints-http.json"
+        gateway.write_endpoints(endpoints, [])
+        gateway.write_endpoints(http_endpoints, [], HTTP_CLUSTER)
+        config, _ = write_gateway_config(settings, endpoints, http_endpoints, tmp_path / "tls",
+                                         None)
+        log = tmp_path / "envoy.log"
+        envoy: subprocess.Popen[bytes] = spawn(gateway.command(config), log,
+                                               gateway_env(settings, "admin-key"))
+        try:
+            url = f"localhost:{settings.grpc_port}"
+
+            def answers() -> object:
+                if envoy.poll() is not None:
+                    raise RuntimeError(f"Envoy exited ({envoy.returncode}): "
+                                       f"{log.read_text()[-2000:]}")
+                got = gate_answer(url, timeout_s=2)
+                return got.status != "StatusCode.UNAVAILABLE" or got
+
+            until("Envoy to answer", answers, 30)
+            yield rule, Gateway(url, answer)
+        finally:
+            terminate(envoy, grace_s=5)
+
+
+def test_a_fresh_closed_word_turns_jobs_away_by_either_rule(
+        lone_gateway: tuple[str, Gateway]) -> None:
+    _, gate = lone_gateway
+    gate.says({"state": "closed", "reason": SATURATED, "age_s": 0.2}, THE_WORD)
+    gate.says({"state": "open", "reason": "", "age_s": 0.2}, PASSED)
+
+
+def test_an_old_word_counts_as_the_rule_says(lone_gateway: tuple[str, Gateway]) -> None:
+    rule, gate = lone_gateway
+    gate.says({"state": "closed", "reason": SATURATED, "age_s": 0.2}, THE_WORD)
+    # The same word, made longer ago than the stale time: the policy no longer decides.
+    gate.says({"state": "closed", "reason": SATURATED, "age_s": STALE_S + 60},
+              PASSED if rule == "open" else STALE)
+
+
+def test_no_word_yet_counts_as_the_rule_says(lone_gateway: tuple[str, Gateway]) -> None:
+    rule, gate = lone_gateway
+    gate.says({"state": "unknown", "reason": "the autoscaling policy has not run yet",
+               "age_s": None, "starting_for_s": None}, PASSED if rule == "open" else STALE)
