@@ -91,6 +91,35 @@ def session_members(sid: int) -> dict[int, list[str]]:
     return members
 
 
+# Triton's Python backend keeps each model instance's tensors in a region of /dev/shm. In a pod
+# the container's /dev/shm goes with the container; here, the machine's, a Triton that did not
+# exit cleanly (killed, crashed) leaves its regions behind.
+SHARED_MEMORY = Path("/dev/shm")
+TRITON_REGION_PREFIX = "triton_python_backend_shm_region_"
+
+
+def free_orphaned_regions() -> list[str]:
+    """Removes the Python backend's regions that no live process maps (every live Triton and
+    stub maps its own): what a container's end frees in a pod. The names removed."""
+    mapped: set[str] = set()
+    marker = f"{SHARED_MEMORY}/{TRITON_REGION_PREFIX}"
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text()
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        if marker in text:
+            mapped.update(line.rsplit("/", 1)[1].split()[0] for line in text.splitlines()
+                          if marker in line)
+    freed = []
+    for region in SHARED_MEMORY.glob(f"{TRITON_REGION_PREFIX}*"):
+        if region.name not in mapped:
+            with contextlib.suppress(FileNotFoundError):
+                region.unlink()
+                freed.append(region.name)
+    return freed
+
+
 def kill_session(sid: int, sig: signal.Signals = signal.SIGKILL) -> None:
     """Ray's workers change process group (and HAProxy is their child): a session holds all."""
     for pid in session_members(sid):
@@ -148,8 +177,10 @@ class Supervisor:
             self._process = spawn(self._cmd, self.log_path, self._env())
             self._say(f"{self.name} started (pid {self._process.pid}), log: {self.log_path}")
             code = self._process.wait()
-            # Helpers outlive a killed parent (Triton's python stubs); a container's all go.
+            # Helpers outlive a killed parent (Triton's python stubs); a container's all go,
+            # and its shared memory with them.
             kill_session(self._process.pid)
+            free_orphaned_regions()
             if self._stopping.is_set():
                 return
             if self.exited_as_planned(code):
