@@ -52,6 +52,7 @@ from local_stack.autoscaler import PodOwner
 from local_stack.polling import until
 from local_stack.processes import (
     Supervisor,
+    free_orphaned_regions,
     run_until_signalled,
     say_line,
     set_parent_death_signal,
@@ -291,6 +292,7 @@ class LocalStack:
         # Opens Triton's restricted RPCs; only Triton, the forwarder and Envoy ever see it.
         self.admin_key = os.environ.get(ADMIN_KEY_ENV) or secrets.token_hex(16)
         self._backends = triton.prepare_backends(self.workdir / "backends")
+        free_orphaned_regions()  # what an earlier run killed as a whole left behind
         # Pod i's Triton; with pods on demand, a new one each time the pod starts.
         self.tritons = [self._new_triton(i) for i in range(settings.tritons)]
         for i in range(settings.tritons):

@@ -53,7 +53,12 @@ from local_stack.autoscaler import idle_pods
 from local_stack.cluster import dns, manifests, network, service
 from local_stack.cluster.pods import ContainerSpec, Pod
 from local_stack.polling import until
-from local_stack.processes import run_until_signalled, say_line, set_parent_death_signal
+from local_stack.processes import (
+    free_orphaned_regions,
+    run_until_signalled,
+    say_line,
+    set_parent_death_signal,
+)
 from local_stack.settings import DEFAULT_MODELS, SERVE_DIR, int_env, min_replicas
 from local_stack.stack import http_ready, server_ready
 from schema.serve_app import with_policy_kwarg
@@ -460,6 +465,7 @@ class ClusterStack:
         s = self.settings
         say(f"{s.tritons} GPU pod(s), {s.gateways} gateway pod(s), DNS TTL {s.dns_ttl_s}s; "
             f"work directory {self.workdir}")
+        free_orphaned_regions()  # what an earlier run killed as a whole left behind
         self.network.start()
         if not Path("/etc/envoy").exists():
             # The mount point of the gateway pods' /etc/envoy (ip netns exec binds it).
