@@ -4,8 +4,9 @@ settings in the environment as the `admission` ConfigMap gives them (gateway/adm
 a saturated facility refuses calls beyond Triton's queue at once with RESOURCE_EXHAUSTED and a
 retry hint, keeps the admitted calls' latency bounded, and turns new jobs away at
 RepositoryIndex (the start-of-job gate) while saturated and while no Triton is ready; by the
-shipped rule, a stale word of the control plane turns no job away (the other rule:
-test_gate_closed_when_stale.py). The load is make bench's overload cell (bench/overload.py)."""
+shipped rule, a stale word of the control plane turns no job away (both rules:
+tests/unit/test_gate_stale_rule.py). The load is make bench's overload cell
+(bench/overload.py)."""
 
 from __future__ import annotations
 

@@ -2,16 +2,16 @@
 SONIC_RAY_GATE_STALE_S) against a control plane that answers with the age of its word, as the
 policy's answer does (serve/triton_pod/admission.py): a real Envoy with the gateway's config,
 no Triton, and a stand-in control plane, the thing tested being the Lua. A fresh "closed"
-turns job starts away by either rule; an old one, or one the policy has not yet made, counts
-as the rule says. tests/stack/test_admission.py and test_gate_closed_when_stale.py stop the
-real control plane instead."""
+turns job starts away by either rule; an old one, one the policy has not yet made, or none
+at all (the control plane silent) counts as the rule says. tests/stack/test_admission.py
+stops the real control plane under the shipped rule."""
 
 from __future__ import annotations
 
 import json
 import subprocess
+import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -51,16 +51,27 @@ class Gateway:
         until(f"a job start to hear {words!r}", heard, 10)
 
 
-@pytest.fixture(params=["open", "closed"])
-def lone_gateway(request: pytest.FixtureRequest, tmp_path: Path,
-                 monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, Gateway]]:
+# Longer than the gateway waits for the control plane's answer (100 ms): no answer.
+SILENT_S = 1.0
+
+
+@pytest.fixture(scope="module", params=["open", "closed"])
+def lone_gateway(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+                 ) -> Iterator[tuple[str, Gateway]]:
     rule = request.param
+    tmp_path = tmp_path_factory.mktemp(f"gate-{rule}")
     answer: dict[str, Any] = {}
-    with serving(lambda _, path: json.dumps(answer).encode()) as control_plane:
+
+    def control_plane_answer(_: str, path: str) -> bytes:
+        if answer.get("silent"):
+            time.sleep(SILENT_S)
+        return json.dumps(answer).encode()
+
+    with serving(control_plane_answer) as control_plane, pytest.MonkeyPatch.context() as patch:
         env = {**stack_ports_env(), "ADMISSION_PORT": str(control_plane),
                "SONIC_RAY_GATE_WHEN_STALE": rule, "SONIC_RAY_GATE_STALE_S": str(STALE_S)}
         for name, value in env.items():
-            monkeypatch.setenv(name, value)
+            patch.setenv(name, value)
         settings = Settings.from_env(env)
         folder = tmp_path / "gateway"
         folder.mkdir()
@@ -107,3 +118,12 @@ def test_no_word_yet_counts_as_the_rule_says(lone_gateway: tuple[str, Gateway]) 
     rule, gate = lone_gateway
     gate.says({"state": "unknown", "reason": "the autoscaling policy has not run yet",
                "age_s": None, "starting_for_s": None}, PASSED if rule == "open" else STALE)
+
+
+def test_a_silent_control_plane_counts_as_the_rule_says(lone_gateway: tuple[str, Gateway],
+                                                        ) -> None:
+    rule, gate = lone_gateway
+    gate.says({"state": "closed", "reason": SATURATED, "age_s": 0.2}, THE_WORD)
+    # No answer within the gateway's wait: its last word ages until it is stale.
+    gate.says({"state": "closed", "reason": SATURATED, "age_s": 0.2, "silent": True},
+              PASSED if rule == "open" else STALE)
