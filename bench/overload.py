@@ -36,13 +36,17 @@ from local_stack.polling import until
 MODEL = "queue_limited"
 
 
+def one_number(path: Path, pattern: str) -> int:
+    """The number `pattern` (one group, one match per line) finds exactly once in `path`."""
+    found = re.findall(pattern, path.read_text(), re.MULTILINE)
+    if len(found) != 1:
+        raise RuntimeError(f"{path}: expected one {pattern!r}, found {found}")
+    return int(found[0])
+
+
 def model_setting(name: str) -> int:
     """One number of the model's config (tests/models/queue_limited/config.pbtxt, its home)."""
-    config = TEST_MODELS / MODEL / "config.pbtxt"
-    found = re.findall(rf"\b{name}: (\d+)", config.read_text())
-    if len(found) != 1:
-        raise RuntimeError(f"{config}: expected one {name}, found {found}")
-    return int(found[0])
+    return one_number(TEST_MODELS / MODEL / "config.pbtxt", rf"\b{name}: (\d+)")
 
 
 # One execution (a batch of up to BATCH) takes this long, whatever the batch; the Tritons serve
@@ -65,10 +69,7 @@ GATEWAY_LUA = gateway.HERE / "client-checks.lua"
 def gateway_refresh_s() -> int:
     """How often the gateway asks the control plane (REFRESH_S in gateway/client-checks.lua,
     its home)."""
-    found = re.findall(r"^local REFRESH_S = (\d+)$", GATEWAY_LUA.read_text(), re.MULTILINE)
-    if len(found) != 1:
-        raise RuntimeError(f"{GATEWAY_LUA}: expected one REFRESH_S, found {found}")
-    return int(found[0])
+    return one_number(GATEWAY_LUA, r"^local REFRESH_S = (\d+)$")
 
 
 # How long the gateway's word lags the load: Serve's look-back and metrics interval, then the
