@@ -53,7 +53,12 @@ HOLD_S = 8
 IDLE_S = 10
 # Callers of the slow model, enough to queue in one Triton past the policy's target.
 CALLERS = 12
-LOAD_S = 45
+# The load lasts until two pods are in the gateway's rotation, then this long so the second
+# serves calls; a pod's start under this load took 10-30 s here, so a fixed load length lost
+# the race (CI of stop 34: the second Triton ran 8 s before the load ended, never listed).
+AFTER_TWO_S = 5
+# Longest load: two pods' start with room to spare; past it the test fails naming the timeline.
+LOAD_MAX_S = 150
 # How long the pre-warm request holds: two pods' start here with room to spare (an operator
 # asks for hours).
 PREWARM_S = 75
@@ -137,14 +142,14 @@ class Call:
     took_s: float
 
 
-async def _load(url: str, seconds: float, started: float) -> list[Call]:
+async def _load(url: str, stop: asyncio.Event, started: float) -> list[Call]:
+    """Callers of the slow model until `stop` is set."""
     calls: list[Call] = []
     client = tc_aio.InferenceServerClient(url)
-    end = time.monotonic() + seconds
     inputs = [tensor("SECONDS", np.array([0.3], dtype=np.float32), "FP32")]
 
     async def caller() -> None:
-        while time.monotonic() < end:
+        while not stop.is_set():
             at = time.monotonic()
             try:
                 await client.infer("slow", inputs, client_timeout=30)
@@ -207,13 +212,21 @@ def test_ready_with_no_triton_then_zero_to_two_to_zero_under_load(at_zero: Runni
     job_starts: list[asyncio.Task[Call]] = []
 
     async def cycle() -> list[Call]:
-        task = asyncio.ensure_future(_load(at_zero.url("GRPC_PORT"), LOAD_S, started))
+        stop = asyncio.Event()
+        task = asyncio.ensure_future(_load(at_zero.url("GRPC_PORT"), stop, started))
+        two_at: float | None = None
         while not task.done():
             # A job starting each second, by gRPC or HTTP, until one got Triton's answer.
             if not any(j.done() and j.result().status == "OK" for j in job_starts):
                 job_starts.append(asyncio.ensure_future(asyncio.to_thread(
                     _job_start, at_zero, len(job_starts) % 2 == 0, started)))
-            timeline.append(await asyncio.to_thread(_sample, at_zero, started))
+            timeline.append(sample := await asyncio.to_thread(_sample, at_zero, started))
+            if two_at is None and sample.listed == 2:
+                two_at = time.monotonic()
+            now = time.monotonic()
+            if ((two_at is not None and now - two_at >= AFTER_TWO_S)
+                    or now - started >= LOAD_MAX_S):
+                stop.set()
             await asyncio.sleep(1)
         await asyncio.gather(*job_starts)
         return await task
