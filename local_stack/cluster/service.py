@@ -58,16 +58,22 @@ class ServiceIp:
         self.ip = ip
         self.ports = dict(ports)
         self.endpoints: list[str] = []
+        self._written = False
 
     def start(self) -> None:
         remove_leftovers()
         for table, chain, match in _JUMPS:
             _iptables("-t", table, "-N", chain)
             _iptables("-t", table, "-A", "OUTPUT", *match, "-j", chain)
+        self._written = False  # fresh chains: the "has no endpoints" rule is written here
         self.set_endpoints([])
 
-    def set_endpoints(self, addresses: list[str]) -> None:
+    def set_endpoints(self, addresses: list[str]) -> bool:
+        """Writes the rules for `addresses` unless they are already written (in any order, as
+        the cluster's loop asks five times a second); says whether it wrote them."""
         addresses = sorted(addresses)
+        if self._written and addresses == self.endpoints:
+            return False
         nat = [f":{NAT_CHAIN} - [0:0]"]
         reject = [f":{FILTER_CHAIN} - [0:0]"]
         for port, target in sorted(self.ports.items()):
@@ -84,6 +90,8 @@ class ServiceIp:
         _restore("*nat\n" + "\n".join(nat) + "\nCOMMIT\n*filter\n" + "\n".join(reject)
                  + "\nCOMMIT\n")
         self.endpoints = addresses
+        self._written = True
+        return True
 
     def stop(self) -> None:
         remove_leftovers()

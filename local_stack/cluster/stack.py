@@ -340,8 +340,7 @@ class ClusterStack:
         if self.built.serve_service:
             self.dns.publish(self.built.serve_service,
                              selected({"ray.io/cluster": active, "ray.io/serve": "true"}))
-        if gateways != self.service.endpoints:
-            self.service.set_endpoints(gateways)
+        if self.service.set_endpoints(gateways):
             say(f"service {SERVICE_IP}: endpoints {sorted(gateways)}")
 
     def _live(self, kind: str) -> list[Pod]:
