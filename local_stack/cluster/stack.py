@@ -251,7 +251,10 @@ class ClusterStack:
         cmd += [f"--temp-dir={temp_dir}", *(f"--{key}={value}" for key, value in params.items())]
         return cmd
 
-    def _new_pod(self, kind: str, cluster: RayCluster | None = None) -> Pod:
+    def _new_pod(self, kind: str, cluster: RayCluster | None = None) -> Pod | None:
+        """A pod of `kind` (a GPU pod of `cluster`), started; None if the cluster's deletion
+        began meanwhile: KubeRay makes no pod for a RayCluster being deleted, and the garbage
+        collector deletes every pod it owns (`begin_deletion`)."""
         with self._lock:
             name = f"{kind}-{self._counters[kind]}"
             self._counters[kind] += 1
@@ -270,10 +273,17 @@ class ClusterStack:
         template = self.built.gateway if kind == "gateway" else self.built.worker
         pod = Pod(name, net, containers, template.grace_s, self.workdir, say, self.reconcile)
         with self._lock:
-            self.pods[name] = pod
-            self._labels[name] = labels
-            if cluster is not None:
-                self._pod_cluster[name] = cluster.name
+            deleted = cluster is not None and cluster.deleting
+            if not deleted:
+                self.pods[name] = pod
+                self._labels[name] = labels
+                if cluster is not None:
+                    self._pod_cluster[name] = cluster.name
+        if deleted:
+            self.network.remove_pod(name)
+            shutil.rmtree(pod.dir, ignore_errors=True)
+            say(f"{name}: not created: its cluster is being deleted")
+            return None
         pod.start()
         say(f"{name}: created at {net.ip} (namespace {net.namespace})")
         return pod
@@ -548,6 +558,13 @@ class ClusterStack:
             return f"unknown ({error})"
         return sum(1 for r in replicas if r.get("state") == "RUNNING")
 
+    def begin_deletion(self, cluster: RayCluster) -> list[Pod]:
+        """A RayCluster's deletion: marked, and every pod it owns (its head last) to delete.
+        Under the lock `_new_pod` registers a pod under, so no pod of it comes after."""
+        with self._lock:
+            cluster.deleting = True
+            return [*self._cluster_pods(cluster), cluster.head]
+
     def _cluster_pods(self, cluster: RayCluster) -> list[Pod]:
         return [p for p in self._live("triton") if self._pod_cluster.get(p.name) == cluster.name]
 
@@ -581,8 +598,7 @@ class ClusterStack:
                 return
             say(f"upgrade: deleting cluster {old.name} "
                 f"({self.built.deletion_delay_s:.0f}s after the switch)")
-            old.deleting = True
-            for thread in [self._delete(p) for p in [*self._cluster_pods(old), old.head]]:
+            for thread in [self._delete(p) for p in self.begin_deletion(old)]:
                 thread.join()
             with self._lock:
                 self.clusters.pop(old.name, None)
