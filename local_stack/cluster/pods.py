@@ -40,6 +40,18 @@ class _ProbeState:
         self.passed = False
 
 
+def last_line(log: Path, limit: int = 200) -> str:
+    """A log's last non-empty line, at most `limit` characters of it."""
+    try:
+        with log.open("rb") as f:
+            f.seek(max(0, f.seek(0, 2) - 4096))
+            lines = [line for line in f.read().decode(errors="replace").splitlines()
+                     if line.strip()]
+    except OSError as error:
+        return f"(unreadable: {error})"
+    return lines[-1][:limit] if lines else "(empty)"
+
+
 def probe_once(probe: Probe, pod: PodNetwork) -> bool:
     """One run of a probe against the pod, as the kubelet runs it."""
     try:
@@ -96,6 +108,18 @@ class Pod:
     def ready(self) -> bool:
         """What the endpoints controller reads: every container ready, not terminating."""
         return self._ready and not self.terminating
+
+    def waiting_on(self) -> str:
+        """What keeps the pod from ready, for a message: each probe not passed, its failures
+        in a row, and its container's last log line."""
+        parts = []
+        for kind, states in (("startup", self._startup), ("readiness", self._readiness)):
+            for name, state in states.items():
+                if not state.passed:
+                    parts.append(f"{name}'s {kind} probe not passed ({state.failures} failures "
+                                 f"in a row), its log ends: "
+                                 f"{last_line(self.containers[name].log_path)!r}")
+        return "; ".join(parts) or "every probe passed"
 
     def start(self) -> None:
         for container in self.containers.values():

@@ -585,9 +585,18 @@ class ClusterStack:
             # Its GPU pods come as Serve asks for them, one at a time (_triton_owner).
             pending = self._start_cluster(secrets.token_hex(32), repo, config, 0)
             say(f"upgrade: cluster {pending.name} pending, {old.name} active")
-            until(f"every Serve application of {pending.name} RUNNING",
-                  lambda: self._stop.is_set() or ray_cluster.applications_running(
-                      pending.dashboard, pending.token), READY_TIMEOUT_S, every_s=1)
+
+            def pending_running() -> object:
+                if self._stop.is_set():
+                    return True
+                running = ray_cluster.applications_running(pending.dashboard, pending.token)
+                waiting = [f"{p.name}: {p.waiting_on()}" for p in self._cluster_pods(pending)
+                           if not p.ready]
+                return running if running is True or not waiting else (
+                    f"{running}; not ready: {' | '.join(waiting)}")
+
+            until(f"every Serve application of {pending.name} RUNNING", pending_running,
+                  READY_TIMEOUT_S, every_s=1, note=say, note_every_s=60)
             running = {c.name: self._running_replicas(c) for c in (old, pending)}
             with self._lock:
                 self.active = pending.name
