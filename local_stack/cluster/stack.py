@@ -351,7 +351,7 @@ class ClusterStack:
             self.dns.publish(self.built.serve_service,
                              selected({"ray.io/cluster": active, "ray.io/serve": "true"}))
         if self.service.set_endpoints(gateways):
-            say(f"service {SERVICE_IP}: endpoints {sorted(gateways)}")
+            say(f"service {SERVICE_IP}: endpoints {self.service.endpoints}")
 
     def _live(self, kind: str) -> list[Pod]:
         with self._lock:
@@ -590,10 +590,11 @@ class ClusterStack:
                 if self._stop.is_set():
                     return True
                 running = ray_cluster.applications_running(pending.dashboard, pending.token)
+                if running is True:
+                    return True
                 waiting = [f"{p.name}: {p.waiting_on()}" for p in self._cluster_pods(pending)
                            if not p.ready]
-                return running if running is True or not waiting else (
-                    f"{running}; not ready: {' | '.join(waiting)}")
+                return f"{running}; not ready: {' | '.join(waiting)}" if waiting else running
 
             until(f"every Serve application of {pending.name} RUNNING", pending_running,
                   READY_TIMEOUT_S, every_s=1, note=say, note_every_s=60)
