@@ -76,6 +76,8 @@ RAY_DRAIN_DEFAULT_S = 30
 # site's cluster DNS cache (the stock Corefile's `cache 30`, `ttl 30`; a site with another
 # Corefile says so in this annotation of the RayService), and the endpoint controller's update.
 DNS_TTL_ANNOTATION = "sonic-ray.io/cluster-dns-ttl-seconds"
+# What keeps Flux's postBuild substitution off an object (flux-substitution-disabled).
+FLUX_SUBSTITUTE_ANNOTATION = "kustomize.toolkit.fluxcd.io/substitute"
 # A site's reason for checking credentials on listeners in clear (credentials-behind-tls).
 CLEAR_CREDENTIALS_ANNOTATION = "sonic-ray.io/credentials-in-clear"
 ENDPOINTS_LAG_S = 1
@@ -104,6 +106,10 @@ class Facts:
         items = self.values.setdefault(key, [])
         self.sources[f"/{key}/{len(items)}"] = source
         items.append(value)
+
+
+def _name_of(obj: dict[str, Any]) -> str:
+    return f"{obj.get('kind')} {(obj.get('metadata') or {}).get('name')}"
 
 
 def tested_ray_version() -> str:
@@ -543,6 +549,11 @@ def extract(rayservice: dict[str, Any], stream: list[dict[str, Any]] | None = No
               operator_objects if declared != "operator" else [],
               f"metadata.annotations[{PROMETHEUS_ANNOTATION}] is {declared!r} but the build has "
               f"{', '.join(operator_objects) or 'none'} ({PROMETHEUS_OPERATOR_GROUP})")
+    unmarked = [_name_of(o) for o in [rayservice, *(o for o in stream or [] if o is not rayservice)]
+                if "${" in yaml.safe_dump(o) and ((o.get("metadata") or {}).get("annotations")
+                                                  or {}).get(FLUX_SUBSTITUTE_ANNOTATION) != "disabled"]
+    facts.put("fluxSubstitutionUnmarked", unmarked,
+              f"metadata.annotations[{FLUX_SUBSTITUTE_ANNOTATION}] of {', '.join(unmarked) or 'none'}")
     facts.put("rayAuthMode", (cluster.get("authOptions") or {}).get("mode", "disabled"),
               "spec.rayClusterConfig.authOptions.mode")
     facts.put("headNumCpus", (head.get("rayStartParams") or {}).get("num-cpus"),
