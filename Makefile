@@ -32,6 +32,7 @@ lint: venv
 	$(PY) -m ruff check serve tests schema gateway tools bench local_stack observability
 	$(PY) -m mypy
 	$(PY) -m yamllint -s .
+	$(PY) -m pytest -q -p no:cacheprovider tests/unit/test_import_direction.py
 
 # Builds every overlay with the pinned kubectl and the machine's (when there is one) and
 # checks each build: invariants, KubeRay's schema, Kubernetes' schemas, the Serve config.

@@ -32,7 +32,9 @@ import grpc
 from tritonclient.grpc import service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-from bench.overload import (
+from local_stack import triton
+from local_stack.harness import TEST_MODELS
+from local_stack.overload import (
     BATCH,
     EXEC_S,
     INSTANCES,
@@ -43,8 +45,6 @@ from bench.overload import (
     open_loop,
     p99,
 )
-from local_stack import triton
-from local_stack.harness import TEST_MODELS
 
 # Calls under way on the Triton when the bound is outside it: the batch executing and the next.
 IN_FLIGHT = 8

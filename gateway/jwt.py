@@ -39,6 +39,7 @@ from typing import Any
 import yaml
 
 from gateway.routes import ROOT
+from tools.env_file import env_file
 from tools.generated import write_or_check_sites
 
 FILTER_NAME = "sonic-ray.jwt"
@@ -181,8 +182,6 @@ SITE_FILES = ("jwt.env", "jwks.json")
 
 
 def render_site(folder: Path) -> str:
-    from local_stack.settings import env_file
-
     env_path, jwks_path = (folder / name for name in SITE_FILES)
     try:
         settings = JwtSettings.from_env(env_file(env_path))

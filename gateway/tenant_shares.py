@@ -32,6 +32,7 @@ from typing import Any
 import yaml
 
 from gateway.routes import ROOT
+from tools.env_file import env_file
 from tools.generated import write_or_check_sites
 
 FILTER_NAME = "sonic-ray.tenant-shares"
@@ -153,8 +154,6 @@ def render_shipped() -> str:
 
 
 def render_site(folder: Path) -> str:
-    from local_stack.settings import env_file
-
     try:
         shares = parse_shares(env_file(folder / SITE_SOURCE).get(SHARES_ENV, ""))
     except (OSError, ValueError) as error:

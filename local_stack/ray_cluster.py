@@ -18,8 +18,9 @@ import yaml
 
 from local_stack.ports import free_ports
 from local_stack.processes import spawn
-from local_stack.settings import SERVE_DIR, Settings, env_file
+from local_stack.settings import SERVE_DIR, Settings
 from schema.serve_app import policy_kwargs, triton_app, with_policy_kwarg
+from tools.env_file import env_file
 from triton_pod.access import ADMIN_KEY_ENV
 from triton_pod.admission import PATH as ADMISSION_PATH
 from triton_pod.pod import (

@@ -25,6 +25,7 @@ from gateway.jwt import (
 )
 from gateway.tenant_shares import SHARES_ENV, TENANTS_ENV, parse_shares, parse_tenant_map
 from schema.serve_app import NoTritonAppError, replica_bounds
+from tools.env_file import env_file
 from triton_pod.admission import PORT_ENV as ADMISSION_PORT_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -129,17 +130,6 @@ def _jwt_settings(env: Mapping[str, str], data_path: str) -> dict[str, Any]:
     except ValueError as error:
         raise SystemExit(f"JWKS_FILE={jwks_file}: {error}") from None
     return {"jwt": jwt, "jwks_file": jwks_file}
-
-
-def env_file(path: Path) -> dict[str, str]:
-    """The NAME=value lines of an env file (a ConfigMap's `envs:` source), comments skipped."""
-    found = {}
-    for line in path.read_text().splitlines():
-        line = line.strip()
-        if line and not line.startswith("#"):
-            name, _, value = line.partition("=")
-            found[name.strip()] = value.strip()
-    return found
 
 
 # Admission's settings, the `admission` ConfigMap's source (gateway and Ray head).

@@ -47,7 +47,7 @@ import yaml
 from gateway import jwt, tenant_shares
 from gateway import local as gateway
 from gateway.routes import HTTP_CLUSTER
-from local_stack import certificates, ports, prometheus, ray_cluster, triton
+from local_stack import gateway_config, ports, prometheus, ray_cluster, triton
 from local_stack.autoscaler import PodOwner
 from local_stack.polling import until
 from local_stack.processes import (
@@ -59,6 +59,7 @@ from local_stack.processes import (
     terminate,
 )
 from local_stack.settings import Settings
+from tools import certificates
 from triton_pod.access import ADMIN_KEY_ENV, TokenCheck
 from triton_pod.rpcs import SERVICE
 
@@ -182,12 +183,12 @@ def write_gateway_config(s: Settings, endpoints_file: Path, http_endpoints_file:
     """Envoy's config for these settings beside the endpoints files (which discovery writes),
     with the token checks' and tenant shares' configs it discovers from their folder: the
     config's path, and what follows JWKS_FILE."""
-    jwks = JwksFollower(s, gateway.jwt_folder(endpoints_file))
+    jwks = JwksFollower(s, gateway_config.jwt_folder(endpoints_file))
     jwks.write()
-    tenant_shares.write(gateway.jwt_folder(endpoints_file) / tenant_shares.SHARES_FILE,
+    tenant_shares.write(gateway_config.jwt_folder(endpoints_file) / tenant_shares.SHARES_FILE,
                         s.tenant_shares())
     config_path = endpoints_file.parent / "envoy.yaml"
-    config_path.write_text(yaml.safe_dump(gateway.local_config(
+    config_path.write_text(yaml.safe_dump(gateway_config.local_config(
         s, endpoints_file, http_endpoints_file, tls_folder, access_log)))
     return config_path, jwks
 

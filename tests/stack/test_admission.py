@@ -6,7 +6,7 @@ retry hint, keeps the admitted calls' latency bounded, and turns new jobs away a
 RepositoryIndex (the start-of-job gate) while saturated and while no Triton is ready; by the
 shipped rule, a stale word of the control plane turns no job away (both rules:
 tests/unit/test_gate_stale_rule.py). The load is make bench's overload cell
-(bench/overload.py)."""
+(local_stack/overload.py, which bench/overload.py runs)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ import grpc
 import pytest
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from bench.overload import (
+from local_stack.harness import RunningStack, processes_left_behind
+from local_stack.overload import (
     CAPACITY_PER_S,
     DEADLINE_S,
     EXEC_S,
@@ -43,7 +44,6 @@ from bench.overload import (
     p99,
     saturable_stack,
 )
-from local_stack.harness import RunningStack, processes_left_behind
 from local_stack.polling import until
 from tests.support.callers import lines_since
 from tests.support.sockets import listening_pid

@@ -1,5 +1,5 @@
 """Fair share per tenant at the gateway (gateway/tenant_shares.py), on a stack of its own: two
-simulated pods (TRITONS=2) serving the queue-bounded `queue_limited` model (bench/overload.py:
+simulated pods (TRITONS=2) serving the queue-bounded `queue_limited` model (local_stack/overload.py:
 80 calls/s), two tenants by their static tokens' names, each with a share in
 SONIC_RAY_TENANT_SHARES. One tenant floods at ten times its share, as much as the GPUs serve:
 the other's p99 stays within FAIR_P99_BOUND of its p99 while the flooder keeps to its share, the
@@ -17,8 +17,8 @@ import grpc
 import pytest
 from tritonclient.grpc import service_pb2_grpc
 
-from bench.overload import CAPACITY_PER_S, RETRY_AFTER_S, Outcome, infer, p99, saturable_stack
 from local_stack.harness import RunningStack, processes_left_behind
+from local_stack.overload import CAPACITY_PER_S, RETRY_AFTER_S, Outcome, infer, p99, saturable_stack
 from tests.support.callers import (
     counters_after,
     failures_by_flags,

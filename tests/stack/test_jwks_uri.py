@@ -22,11 +22,11 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric import rsa
 from jwt.algorithms import RSAAlgorithm
 
-from local_stack import certificates
 from local_stack.harness import processes_left_behind, running_stack
 from local_stack.polling import until
 from local_stack.ports import free_ports
 from tests.support.echo import infer_with_token
+from tools import certificates
 
 ISSUER = "https://idp.sonic-ray.test"
 AUDIENCE = "sonic-ray"

@@ -23,11 +23,11 @@ import tritonclient.grpc as tc
 from cryptography import x509
 from tritonclient.utils import InferenceServerException
 
-from local_stack import certificates
 from local_stack.harness import TLS_LINE, processes_left_behind, running_stack
 from local_stack.polling import until
 from local_stack.triton_inputs import tensor
 from tests.support.callers import lines_since
+from tools import certificates
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "triton_examples"
 # The allow-list the stack runs with: its own client's subject, and a pattern.

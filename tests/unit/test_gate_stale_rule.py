@@ -16,10 +16,10 @@ from typing import Any
 
 import pytest
 
-from bench.overload import gate_answer
 from gateway import local as gateway
 from gateway.routes import HTTP_CLUSTER
 from local_stack.harness import stack_ports_env
+from local_stack.overload import gate_answer
 from local_stack.polling import until
 from local_stack.processes import spawn, terminate
 from local_stack.settings import Settings

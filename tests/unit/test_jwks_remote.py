@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from gateway import jwt, routes
-from gateway.local import local_config
+from local_stack.gateway_config import local_config
 from local_stack.settings import Settings
 
 URI = "https://cms-auth.web.cern.ch/jwk"
