@@ -43,6 +43,7 @@ validate: venv prometheus
 	$(PY) -m gateway.jwt --check
 	$(PY) -m gateway.tenant_shares --check
 	$(PY) -m observability.dashboard --check
+	$(PY) -m schema.invariants_doc --check
 	promtool check rules observability/alerts.yaml
 	promtool test rules observability/alerts_test.yaml
 	$(PY) -m gateway.local
@@ -104,8 +105,9 @@ observability: venv
 	$(PY) -m observability.dashboard
 
 # Every generated, committed file at once: the strict CRD schema and base/openapi.json, the
-# gateway's refused-RPC routes, the dashboard and the PrometheusRule.
+# gateway's refused-RPC routes, the dashboard and the PrometheusRule, docs/invariants.md.
 generate: schemas gateway-config observability
+	$(PY) -m schema.invariants_doc
 
 # Prometheus and promtool, Debian's package (the tests scrape the local stack with it).
 PROMETHEUS_DEB := prometheus=2.42.0+ds-5+deb12u1
