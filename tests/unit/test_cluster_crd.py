@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+import pytest
 import yaml
 
 from tests.support.kustomize import OVERLAYS, ROOT, build
@@ -48,3 +49,7 @@ def test_make_check_cluster_crd_wants_a_file() -> None:
     result = subprocess.run(["make", "--no-print-directory", "check-cluster-crd"], cwd=ROOT,
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "usage: make check-cluster-crd CRD=" in result.stdout
+
+
+# Every test here starts processes (make unit leaves them out: tests/conftest.py).
+pytestmark = pytest.mark.processes

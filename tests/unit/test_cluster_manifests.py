@@ -57,3 +57,7 @@ def test_more_gpu_pods_at_start_than_the_group_may_have_is_refused(
         built: manifests.Built) -> None:
     with pytest.raises(SystemExit, match=f"TRITONS=9: between 0 and {built.worker_max_replicas}"):
         ClusterSettings.from_env(built, {"TRITONS": "9"})
+
+
+# Every test here reads kustomize builds (make unit leaves them out: tests/conftest.py).
+pytestmark = pytest.mark.processes

@@ -126,3 +126,7 @@ def test_health_expressions_on_recorded_statuses(flux: Path, case: str, obj: dic
     (exprs,) = kustomization["spec"]["healthCheckExprs"]
     assert exprs["kind"] == "RayService"
     assert flux_status(exprs, obj) == expected, case
+
+
+# Every test here starts processes (make unit leaves them out: tests/conftest.py).
+pytestmark = pytest.mark.processes

@@ -127,3 +127,7 @@ def test_a_silent_control_plane_counts_as_the_rule_says(lone_gateway: tuple[str,
     # No answer within the gateway's wait: its last word ages until it is stale.
     gate.says({"state": "closed", "reason": SATURATED, "age_s": 0.2, "silent": True},
               PASSED if rule == "open" else STALE)
+
+
+# Every test here starts processes (make unit leaves them out: tests/conftest.py).
+pytestmark = pytest.mark.processes

@@ -124,3 +124,7 @@ def test_one_slow_moment_takes_no_pod_out(readiness: manifests.Probe) -> None:
     assert readiness.failure_threshold * readiness.period_s >= 15, readiness
 
 
+
+
+# Every test here starts processes (make unit leaves them out: tests/conftest.py).
+pytestmark = pytest.mark.processes

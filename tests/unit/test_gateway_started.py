@@ -83,3 +83,7 @@ def test_it_fails_while_envoy_does_not_answer() -> None:
         pass
     done = _run(port)
     assert done.returncode != 0, done.stdout
+
+
+# Every test here starts processes (make unit leaves them out: tests/conftest.py).
+pytestmark = pytest.mark.processes

@@ -67,3 +67,7 @@ def test_this_machines_gateway_dials_the_uris_host_with_its_ca(tmp_path: Path) -
     assert endpoint["address"]["socket_address"] == {"address": "localhost", "port_value": 8443}
     context = cluster["transport_socket"]["typed_config"]["common_tls_context"]
     assert context["validation_context"]["trusted_ca"] == {"filename": str(ca)}
+
+
+# Every test here starts processes (make unit leaves them out: tests/conftest.py).
+pytestmark = pytest.mark.processes

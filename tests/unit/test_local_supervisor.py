@@ -7,6 +7,8 @@ import os
 import signal
 from pathlib import Path
 
+import pytest
+
 from local_stack.polling import until
 from local_stack.processes import Supervisor
 
@@ -76,3 +78,7 @@ def test_stopping_one_never_started_says_nothing_and_raises_nothing(tmp_path: Pa
     supervisor = Supervisor("envoy", ["sleep", "600"], tmp_path / "log", dict, said.append)
     supervisor.stop(grace_s=1)
     assert said == []
+
+
+# Every test here starts processes (make unit leaves them out: tests/conftest.py).
+pytestmark = pytest.mark.processes

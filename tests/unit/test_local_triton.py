@@ -20,3 +20,7 @@ def test_a_lone_triton_that_exits_is_an_error_at_once_with_its_log(tmp_path: Pat
                         triton.prepare_backends(tmp_path / "backends"), tmp_path / "triton.log",
                         lambda url: f"{url} not ready"):
         pytest.fail("lone yielded a Triton that had exited")
+
+
+# Every test here starts processes (make unit leaves them out: tests/conftest.py).
+pytestmark = pytest.mark.processes

@@ -462,3 +462,7 @@ def test_gateway_protects_itself_from_overload_below_its_memory_limit() -> None:
     actions = {a["name"] for a in overload["actions"]}
     assert {"envoy.overload_actions.reset_high_memory_stream",
             "envoy.overload_actions.stop_accepting_requests"} <= actions
+
+
+# Every test here starts processes (make unit leaves them out: tests/conftest.py).
+pytestmark = pytest.mark.processes

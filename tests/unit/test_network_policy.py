@@ -167,3 +167,7 @@ def test_token_auth_component_reaches_every_ray_container_and_the_gateway() -> N
         first = pod["containers"][0]
         assert tokens in first["env"]
         assert {"name": "client-tokens", "secret": {"secretName": "triton-client-tokens"}} in pod["volumes"]
+
+
+# Every test here reads kustomize builds (make unit leaves them out: tests/conftest.py).
+pytestmark = pytest.mark.processes

@@ -6,6 +6,7 @@ import json
 import re
 import subprocess
 
+import pytest
 import yaml
 from grafana_foundation_sdk.models.dashboard import Dashboard
 
@@ -38,6 +39,7 @@ def test_dashboard_loads_with_the_sdk_model_and_everything_resolves() -> None:
         assert source is not None and source.uid == "${datasource}"
 
 
+@pytest.mark.processes
 def test_promtool_checks_the_rules_and_each_alert_fires_only_where_it_should() -> None:
     for args in (["check", "rules", str(dashboard.ALERTS)],
                  ["test", "rules", str(dashboard.ALERTS.with_name("alerts_test.yaml"))]):

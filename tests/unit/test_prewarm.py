@@ -150,3 +150,7 @@ def test_the_command_reads_the_bounds_of_the_config_it_is_given(tmp_path: Path) 
     done = _make("PODS=3", "UNTIL=2099-01-01T00:00Z", f"DIR={tmp_path / 'x'}",
                  f"SERVE_CONFIG={path}")
     assert "PODS=3 is above max_replicas (2)" in done.stderr
+
+
+# Every test here starts processes (make unit leaves them out: tests/conftest.py).
+pytestmark = pytest.mark.processes

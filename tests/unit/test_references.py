@@ -166,3 +166,7 @@ def test_references_that_exist_are_not_flagged(tmp_path: Path) -> None:
         assert references_to_nothing([good]) == []
     finally:
         good.unlink()
+
+
+# Every test here starts processes (make unit leaves them out: tests/conftest.py).
+pytestmark = pytest.mark.processes

@@ -32,3 +32,7 @@ def test_lines_said_from_many_threads_stay_whole(module: str) -> None:
     lines = done.stdout.splitlines()
     broken = [line for line in lines if line.count("thread ") != 1 or not line.endswith("x")]
     assert len(lines) == 8 * 400 and broken == [], (len(lines), broken[:3])
+
+
+# Every test here starts processes (make unit leaves them out: tests/conftest.py).
+pytestmark = pytest.mark.processes

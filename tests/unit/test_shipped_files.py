@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from tests.support.kustomize import ROOT, build
@@ -98,3 +99,7 @@ def test_the_check_would_catch_a_module_left_out(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert result.returncode != 0
     assert "No module named 'triton_pod.autoscaling'" in result.stderr
+
+
+# Every test here starts processes (make unit leaves them out: tests/conftest.py).
+pytestmark = pytest.mark.processes

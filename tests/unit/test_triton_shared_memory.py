@@ -12,6 +12,8 @@ import shutil
 import signal
 from pathlib import Path
 
+import pytest
+
 from local_stack.harness import TEST_MODELS
 from local_stack.polling import until
 from local_stack.ports import free_ports
@@ -51,3 +53,7 @@ def test_a_killed_tritons_shared_memory_is_freed(tmp_path: Path) -> None:
         assert left == [], f"a killed Triton's shared memory stays: {left}"
     finally:
         supervisor.stop(grace_s=10)
+
+
+# Every test here starts processes (make unit leaves them out: tests/conftest.py).
+pytestmark = pytest.mark.processes
