@@ -441,6 +441,7 @@ class LocalStack:
         """A GPU pod the autoscaler adds: its Ray node, then its Triton (a new container)."""
         node = self._start_pod_node(index)
         self.pod_nodes[index] = node
+        self._metrics_targets_changed()
         supervisor = self.tritons[index] = self._new_triton(index)
         supervisor.start()
         return node.wait
@@ -449,6 +450,7 @@ class LocalStack:
         """A GPU pod the autoscaler removes, holding no replica (so out of discovery): its
         containers told at once, as the kubelet does."""
         node = self.pod_nodes.pop(index, None)
+        self._metrics_targets_changed()
         stoppers = [self.tritons[index].stop]
         if node is not None:
             stoppers.append(functools.partial(terminate, node, grace_s=20))
@@ -485,6 +487,11 @@ class LocalStack:
             "gateway-metrics": [s.gateway_metrics_port] if s.data_path == "gateway" else [],
             "ray-metrics": [ray_cluster.metrics_export_port(node) for node in nodes],
         }
+
+    def _metrics_targets_changed(self) -> None:
+        """A pod started or stopped: Prometheus follows (with make observe)."""
+        if self.prometheus is not None and self.prometheus.poll() is None:
+            prometheus.write_targets(self.workdir / "prometheus", self.metrics_targets())
 
     def _start_prometheus(self) -> None:
         s = self.settings
