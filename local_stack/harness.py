@@ -8,6 +8,7 @@ import re
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -23,9 +24,10 @@ import yaml
 
 from local_stack.polling import until
 from local_stack.ports import free_port_range, free_ports
+from local_stack.processes import orphaned_regions, regions
 from local_stack.ray_cluster import application, deploy, deployment_of
 from local_stack.settings import DEFAULT_CONFIG, POD_PORT_STEP, ROOT, Settings
-from local_stack.stack import READY, SAID
+from local_stack.stack import READY, SAID, STOP_LIMIT_S
 
 EXAMPLE_MODELS = ROOT / "triton" / "models"
 TEST_MODELS = ROOT / "tests" / "models"
@@ -203,14 +205,58 @@ def running_stack(env: dict[str, str], wrapper: Sequence[str] = (),
     prewarm = Path(tempfile.mkdtemp(prefix="sonic-ray-prewarm-"))
     process = StackProcess({**ports, "MODEL_REPOSITORY": str(repo), "RAY_AUTH_TOKEN": token,
                             "PREWARM_DIR": str(prewarm), **env}, wrapper)
+    ready = False
+    # Regions there before (another stack's, live or leaked) are not this stack's to answer for.
+    regions_before = regions()
     try:
         process.wait_for_line(READY_LINE, timeout_s=420)
         process.wait_for_line(ready_pattern, timeout_s=300)
+        ready = True
         yield RunningStack(process, ports, repo, token)
     finally:
+        began = time.monotonic()
         process.stop()
+        took = time.monotonic() - began
         shutil.rmtree(repo, ignore_errors=True)
         shutil.rmtree(prewarm, ignore_errors=True)
+    # Every stack the tests start keeps make local's promise on its stop.
+    if ready:
+        problems = stop_problems(process, ports, took, regions_before)
+        if problems:
+            raise AssertionError(f"make local with {sorted(env)} did not stop clean: "
+                                 + "; ".join(problems))
+
+
+def stop_problems(process: StackProcess, ports: dict[str, str], took_s: float,
+                  regions_before: set[str]) -> list[str]:
+    """What breaks make local's promise on a stop: within STOP_LIMIT_S of SIGTERM, leaving no
+    process, no listening port and no shared memory of its Tritons behind."""
+    problems = []
+    if took_s > STOP_LIMIT_S:
+        said = [line for line in process.lines if "stopped in" in line]
+        problems.append(f"stopped {took_s:.1f} s after SIGTERM (limit {STOP_LIMIT_S} s; "
+                        f"{said[-1] if said else 'it never said stopped'})")
+    left = processes_left_behind(process)
+    if left:
+        problems.append(f"processes left: {left}")
+    held = [f"{name}={port}" for name, port in sorted(ports.items()) if not port_free(int(port))]
+    if held:
+        problems.append(f"ports still listening: {held}")
+    regions = sorted(set(orphaned_regions()) - regions_before)
+    if regions:
+        problems.append(f"shared memory left in /dev/shm: {regions}")
+    return problems
+
+
+def port_free(port: int) -> bool:
+    """Nothing listens on the port (a closed connection's TIME_WAIT does not count)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+    return True
 
 
 def serve_config_with(directory: Path, deployment: dict[str, Any] | None = None,

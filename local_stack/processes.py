@@ -98,9 +98,14 @@ SHARED_MEMORY = Path("/dev/shm")
 TRITON_REGION_PREFIX = "triton_python_backend_shm_region_"
 
 
-def free_orphaned_regions() -> list[str]:
-    """Removes the Python backend's regions that no live process maps (every live Triton and
-    stub maps its own): what a container's end frees in a pod. The names removed."""
+def regions() -> set[str]:
+    """The Python backend's shared-memory regions there are now."""
+    return {region.name for region in SHARED_MEMORY.glob(f"{TRITON_REGION_PREFIX}*")}
+
+
+def orphaned_regions() -> list[str]:
+    """The Python backend's regions that no live process maps (every live Triton and stub
+    maps its own): what a container's end frees in a pod."""
     mapped: set[str] = set()
     marker = f"{SHARED_MEMORY}/{TRITON_REGION_PREFIX}"
     for maps in Path("/proc").glob("[0-9]*/maps"):
@@ -111,12 +116,16 @@ def free_orphaned_regions() -> list[str]:
         if marker in text:
             mapped.update(line.rsplit("/", 1)[1].split()[0] for line in text.splitlines()
                           if marker in line)
+    return sorted(regions() - mapped)
+
+
+def free_orphaned_regions() -> list[str]:
+    """Removes orphaned_regions(): the names removed."""
     freed = []
-    for region in SHARED_MEMORY.glob(f"{TRITON_REGION_PREFIX}*"):
-        if region.name not in mapped:
-            with contextlib.suppress(FileNotFoundError):
-                region.unlink()
-                freed.append(region.name)
+    for name in orphaned_regions():
+        with contextlib.suppress(FileNotFoundError):
+            (SHARED_MEMORY / name).unlink()
+            freed.append(name)
     return freed
 
 

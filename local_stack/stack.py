@@ -72,6 +72,15 @@ SAID = "[local]"
 READY = "ready:"
 
 
+# make local stops within this many seconds of Ctrl-C or SIGTERM, whatever it runs (the tests
+# hold every stack they start to it: local_stack/harness.py); the graces below fit in it.
+STOP_LIMIT_S = 20
+# What each process of a pod, Envoy and Prometheus get between SIGTERM and SIGKILL, all at
+# once; then the head's.
+STOP_GRACE_S = 8
+HEAD_GRACE_S = 5
+
+
 def say(message: str) -> None:
     say_line(f"{SAID} {message}")
 
@@ -626,34 +635,55 @@ class LocalStack:
             self.alive()
 
     def stop(self) -> None:
+        """Within STOP_LIMIT_S of the signal: every pod's processes, Envoy and Prometheus told
+        at once and waited for together, as a node's containers stop, and the head once the
+        pods' Ray nodes are gone (a pod's Ray node stopped with the head gone waits out its
+        whole grace period); one after the other the stop took the sum of their graces, up to
+        41 s (tests/unit/test_local_stop.py)."""
         say("stopping")
+        began = time.monotonic()
         self._stopping.set()
-        if self.prometheus is not None and self.prometheus.poll() is None:
-            terminate(self.prometheus, grace_s=10)
+        stoppers: list[tuple[str, Callable[[], None]]] = []
         if self.discovery is not None:
-            self.discovery.stop()
-        # The pods' processes told at once and waited for together, as a node's containers
-        # stop, then the head: one after the other the stop took the sum of their exits, and
-        # a pod's Ray node stopped with the head gone waits out its whole grace period.
-        stoppers: list[Callable[[], None]] = []
+            stoppers.append(("the gateway's discovery", self.discovery.stop))
+        if self.prometheus is not None and self.prometheus.poll() is None:
+            stoppers.append(("Prometheus", functools.partial(terminate, self.prometheus,
+                                                             grace_s=STOP_GRACE_S)))
         if self.envoy is not None:
-            stoppers.append(functools.partial(self.envoy.stop, grace_s=10))
-        stoppers += [functools.partial(terminate, node, grace_s=20)
-                     for node in list(self.pod_nodes.values()) if node.poll() is None]
-        stoppers += [supervisor.stop for supervisor in self.tritons]
-        threads = [threading.Thread(target=stopper, name="stopping") for stopper in stoppers]
-        for thread in threads:
+            stoppers.append(("Envoy", functools.partial(self.envoy.stop, grace_s=STOP_GRACE_S)))
+        nodes = {f"pod {i}'s Ray node": node for i, node in list(self.pod_nodes.items())
+                 if node.poll() is None}
+        stoppers += [(name, functools.partial(terminate, node, grace_s=STOP_GRACE_S))
+                     for name, node in nodes.items()]
+        stoppers += [(f"Triton {i}", functools.partial(supervisor.stop, grace_s=STOP_GRACE_S))
+                     for i, supervisor in enumerate(self.tritons)]
+        took: dict[str, float] = {}
+
+        def timed(name: str, stopper: Callable[[], None]) -> None:
+            start = time.monotonic()
+            stopper()
+            took[name] = time.monotonic() - start
+
+        threads = {name: threading.Thread(target=timed, args=(name, stopper), name="stopping")
+                   for name, stopper in stoppers}
+        for thread in threads.values():
             thread.start()
-        for thread in threads:
-            thread.join()
+        # The head once the pods' Ray nodes are gone, while the Tritons may still finish.
+        for name, thread in threads.items():
+            if name in nodes:
+                thread.join()
         if self.ray is not None and self.ray.poll() is None:
             # The head's GCS, raylet and Serve's actors outlive SIGTERM by more than 20 s
-            # (measured: none had exited after 5 s); nothing of them is kept, so 5 s.
-            terminate(self.ray, grace_s=5)
+            # (measured: none had exited after 5 s); nothing of them is kept.
+            timed("the Ray head", functools.partial(terminate, self.ray, grace_s=HEAD_GRACE_S))
+        for thread in threads.values():
+            thread.join()
         haproxy = self.workdir / "haproxy"
         if haproxy.is_symlink():
             shutil.rmtree(haproxy.resolve(), ignore_errors=True)
-        say("stopped")
+        slowest = sorted(took.items(), key=lambda item: -item[1])[:3]
+        say(f"stopped in {time.monotonic() - began:.1f} s (slowest: "
+            + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in slowest) + ")")
 
 
 def main() -> int:
