@@ -11,7 +11,7 @@ KUBECTLS := $(VENV)/bin/kubectl $(wildcard /usr/bin/kubectl)
 # schema/check.py (DEFAULT_KUBERNETES_VERSION).
 CHECK := $(PY) -m schema.check
 
-.PHONY: venv test unit lint local cluster cluster-tools observe bench validate check check-cluster-crd prewarm schemas gateway-config observability generate prometheus lock clean
+.PHONY: venv test unit lint local cluster cluster-tools observe bench bench-node validate check check-cluster-crd prewarm schemas gateway-config observability generate prometheus lock clean
 
 venv: $(VENV)/.installed
 
@@ -159,3 +159,9 @@ OVERLOAD_SECONDS ?= 60
 bench: venv
 	$(PY) -m bench.data_paths --modes $(MODES)
 	$(PY) -m bench.overload --seconds $(OVERLOAD_SECONDS)
+
+# The gateway's hot path against its proxy's floor, Ray not needed (bench/node.py): one
+# Triton; the shipped gateway, a bare Envoy, HAProxy L7 and L4 in front of it on the same
+# cores (apart from Triton's and the clients' with 8 cores or more); ratios, CPU per call.
+bench-node: venv
+	$(PY) -m bench.node

@@ -26,27 +26,21 @@ import ssl
 import statistics
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import tritonclient.grpc as tc
-import tritonclient.grpc.aio as tc_aio
 import tritonclient.http as httpclient
 import tritonclient.http.aio as http_aio
 from tritonclient.utils import InferenceServerException
 
+from bench.calls import RESULTS, SIZES, Measured, cpu_s, measure_grpc, timed
 from local_stack import triton
 from local_stack.harness import TLS_LINE, RunningStack, running_stack
-from local_stack.processes import session_members
 from local_stack.ray_cluster import replicas
-from local_stack.triton_inputs import simple_inputs, tensor
-
-RESULTS = Path(__file__).resolve().parent.parent / "bench-results"
-MIB = 1 << 20
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 # The stack's environment per mode: "gateway" (the default data path) and "serve" (Serve's
 # classic gRPC proxy talking gRPC to the replicas, serve/ray-env.env); the others are the
@@ -69,7 +63,6 @@ MODES: dict[str, dict[str, str]] = {
 MODE_CELLS: dict[str, tuple[set[str], set[str], set[int]]] = {
     "gateway-tls": ({"grpc"}, {"small", "1MiB"}, {1, 8}),
 }
-SIZES = {"small": 0, "1MiB": MIB, "16MiB": 16 * MIB}
 # HTTP: a small request as JSON (how curl scripts and probes call), 1 MiB as binary tensors.
 HTTP_SIZES = ("small", "1MiB")
 # Each protocol's client ports: Triton's own, and the clients' endpoint of the data path.
@@ -94,22 +87,6 @@ class Cell:
     triton_cpu_s_per_1k: float
     client_cpu_s_per_1k: float  # this process: the calls' client
     machine_busy: float  # share of all cores busy while the cell ran (1.0: CPU-bound)
-
-
-def _inputs(size: str) -> tuple[str, Callable[[], list[tc.InferInput]]]:
-    if SIZES[size] == 0:
-        data = np.arange(16, dtype=np.int32).reshape(1, 16)
-
-        def small() -> list[tc.InferInput]:
-            return simple_inputs(data, data)
-
-        return "simple", small
-    data = np.ones(SIZES[size] // 4, dtype=np.float32)
-
-    def large() -> list[tc.InferInput]:
-        return [tensor("INPUT", data, "FP32")]
-
-    return "identity_fp32", large
 
 
 def _http_inputs(size: str) -> tuple[str, list[httpclient.InferInput]]:
@@ -159,15 +136,6 @@ def _wait_until_quiet(timeout_s: float = 90, busy_below: float = 0.25) -> None:
               "measuring anyway", flush=True)
 
 
-def _cpu_s(sids: list[int]) -> float:
-    """CPU seconds (user + system: stat fields 14 and 15) of the live processes of sessions."""
-    members = [fields for sid in sids for fields in session_members(sid).values()]
-    return sum(int(fields[11]) + int(fields[12]) for fields in members) / CLK_TCK
-
-
-Measured = tuple[int, list[float], int]  # calls done, their latencies, errors
-
-
 @dataclass
 class Sample:
     """One timed run of one cell's path."""
@@ -182,47 +150,6 @@ class Sample:
     machine_busy: float
 
 
-async def _timed(call: Callable[[], Awaitable[object]], concurrency: int,
-                 seconds: float) -> Measured:
-    """`concurrency` callers in a loop for `seconds`, after one warming call."""
-    latencies: list[float] = []
-    errors = 0
-    deadline = time.monotonic() + seconds
-
-    async def worker() -> None:
-        nonlocal errors
-        while time.monotonic() < deadline:
-            started = time.perf_counter()
-            try:
-                await call()
-                latencies.append(time.perf_counter() - started)
-            except Exception:
-                errors += 1
-
-    try:
-        await call()  # warm the channel or connections
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-    except Exception:
-        errors += 1
-    return len(latencies), latencies, errors
-
-
-async def _measure(url: str, size: str, concurrency: int, seconds: float,
-                   ca: Path | None = None) -> Measured:
-    """`ca`: over TLS, trusting that CA."""
-    model, make_inputs = _inputs(size)
-    options = [("grpc.max_send_message_length", 1 << 30),
-               ("grpc.max_receive_message_length", 1 << 30)]
-    client = tc_aio.InferenceServerClient(url, channel_args=options, ssl=ca is not None,
-                                          root_certificates=str(ca) if ca else None)
-    inputs = make_inputs()
-    try:
-        return await _timed(lambda: client.infer(model, inputs, client_timeout=30),
-                            concurrency, seconds)
-    finally:
-        await client.close()
-
-
 async def _measure_http(url: str, size: str, concurrency: int, seconds: float,
                         ca: Path | None = None) -> Measured:
     model, inputs = _http_inputs(size)
@@ -232,13 +159,13 @@ async def _measure_http(url: str, size: str, concurrency: int, seconds: float,
         url, conn_limit=concurrency, ssl=ca is not None,
         ssl_context=ssl.create_default_context(cafile=str(ca)) if ca else None)
     try:
-        return await _timed(lambda: client.infer(model, inputs, outputs=outputs),
+        return await timed(lambda: client.infer(model, inputs, outputs=outputs),
                             concurrency, seconds)
     finally:
         await client.close()
 
 
-MEASURE = {"grpc": _measure, "http": _measure_http}
+MEASURE = {"grpc": measure_grpc, "http": _measure_http}
 
 
 @contextmanager
@@ -298,16 +225,16 @@ def run_mode(mode: str, protocols: list[str], sizes: list[str], concurrencies: l
             samples: dict[str, list[Sample]] = {path: [] for path in urls}
             for _ in range(repeats):
                 for path, (url, trusted, triton_sid) in urls.items():
-                    env0, ray0 = _cpu_s(sids.envoy), _cpu_s(sids.ray)
-                    tri0, own0, machine0 = _cpu_s([triton_sid]), _own_cpu_s(), _machine_ticks()
+                    env0, ray0 = cpu_s(sids.envoy), cpu_s(sids.ray)
+                    tri0, own0, machine0 = cpu_s([triton_sid]), _own_cpu_s(), _machine_ticks()
                     started = time.monotonic()
                     count, latencies, errors = asyncio.run(MEASURE[protocol](
                         url, size, concurrency, seconds, trusted))
                     elapsed = time.monotonic() - started
                     busy = _busy_share(machine0, _machine_ticks())
                     samples[path].append(Sample(
-                        count / elapsed, latencies, errors, _cpu_s(sids.envoy) - env0,
-                        _cpu_s(sids.ray) - ray0, _cpu_s([triton_sid]) - tri0,
+                        count / elapsed, latencies, errors, cpu_s(sids.envoy) - env0,
+                        cpu_s(sids.ray) - ray0, cpu_s([triton_sid]) - tri0,
                         _own_cpu_s() - own0, busy))
             for path, runs in samples.items():
                 cells.append(_cell(mode, protocol, size, concurrency, path, runs))

@@ -33,7 +33,6 @@ from tritonclient.grpc import service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from local_stack import triton
-from local_stack.harness import TEST_MODELS
 from local_stack.overload import (
     BATCH,
     EXEC_S,
@@ -45,6 +44,7 @@ from local_stack.overload import (
     open_loop,
     p99,
 )
+from local_stack.triton import TEST_MODELS
 
 # Calls under way on the Triton when the bound is outside it: the batch executing and the next.
 IN_FLIGHT = 8

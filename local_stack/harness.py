@@ -14,7 +14,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,9 +28,8 @@ from local_stack.processes import orphaned_regions, regions
 from local_stack.ray_cluster import application, deploy, deployment_of
 from local_stack.settings import DEFAULT_CONFIG, POD_PORT_STEP, ROOT, Settings
 from local_stack.stack import READY, SAID, STOP_LIMIT_S
+from local_stack.triton import EXAMPLE_MODELS, TEST_MODELS, merged_model_repository
 
-EXAMPLE_MODELS = ROOT / "triton" / "models"
-TEST_MODELS = ROOT / "tests" / "models"
 REPLICA_PORTS = 16  # per stack and protocol: more than any test's replicas
 MAX_PODS = 4  # Triton port blocks reserved per stack
 # The stack's own `ready` line, anchored: a traceback it prints may name `ProxyActor.ready()`.
@@ -59,16 +58,6 @@ def stack_ports_env() -> dict[str, str]:
         ports[f"RAY_SERVE_DIRECT_INGRESS_MIN_{protocol}_PORT"] = str(first)
         ports[f"RAY_SERVE_DIRECT_INGRESS_MAX_{protocol}_PORT"] = str(first + REPLICA_PORTS - 1)
     return ports
-
-
-def merged_model_repository(sources: Iterable[Path]) -> Path:
-    """A fresh copy of the example and test models: the slow model writes markers into it."""
-    repo = Path(tempfile.mkdtemp(prefix="sonic-ray-models-"))
-    for source in sources:
-        for model in source.iterdir():
-            if model.is_dir():
-                shutil.copytree(model, repo / model.name)
-    return repo
 
 
 class StackProcess:

@@ -23,8 +23,9 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from gateway import local as gateway
-from local_stack.harness import TEST_MODELS, RunningStack, running_stack, serve_config_with
+from local_stack.harness import RunningStack, running_stack, serve_config_with
 from local_stack.polling import until
+from local_stack.triton import TEST_MODELS
 
 MODEL = "queue_limited"
 

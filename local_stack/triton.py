@@ -9,16 +9,32 @@ import secrets
 import shutil
 import signal
 import sys
+import tempfile
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from local_stack.polling import until
 from local_stack.ports import free_ports
 from local_stack.processes import Supervisor, spawn
-from local_stack.settings import TritonPorts
+from local_stack.settings import ROOT, TritonPorts
 from triton_pod.access import ADMIN_KEY_NAME
+
+# The example models (a ConfigMap for overlays/local) and the tests' own.
+EXAMPLE_MODELS = ROOT / "triton" / "models"
+TEST_MODELS = ROOT / "tests" / "models"
+
+
+def merged_model_repository(sources: Iterable[Path]) -> Path:
+    """A fresh copy of the example and test models: the slow model writes markers into it."""
+    repo = Path(tempfile.mkdtemp(prefix="sonic-ray-models-"))
+    for source in sources:
+        for model in source.iterdir():
+            if model.is_dir():
+                shutil.copytree(model, repo / model.name)
+    return repo
+
 
 # Triton refuses these RPC groups unless the request carries the admin header with the key:
 # defence in depth behind the data path's own refusals (serve/triton_pod/access.py).

@@ -12,7 +12,8 @@ import pytest
 
 from local_stack.cluster import network, service
 from local_stack.cluster.network import PREFIX
-from local_stack.harness import EXAMPLE_MODELS, TEST_MODELS, merged_model_repository, serve_config_with
+from local_stack.harness import serve_config_with
+from local_stack.triton import EXAMPLE_MODELS, TEST_MODELS, merged_model_repository
 from tests.support.cluster import Cluster, running_cluster
 
 TRITONS = 3

@@ -18,11 +18,9 @@ import tritonclient.grpc.aio as tc_aio
 from tritonclient.utils import InferenceServerException
 
 from local_stack.harness import (
-    EXAMPLE_MODELS,
-    TEST_MODELS,
-    merged_model_repository,
     serve_config_with,
 )
+from local_stack.triton import EXAMPLE_MODELS, TEST_MODELS, merged_model_repository
 from local_stack.triton_inputs import simple_inputs, tensor
 from tests.support.cluster import OWN_CONNECTION, Calls, Cluster, mixed_load, until
 

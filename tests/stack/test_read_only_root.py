@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import tritonclient.grpc as tc
 
-from local_stack.harness import EXAMPLE_MODELS, RunningStack, processes_left_behind, running_stack
+from local_stack.harness import RunningStack, processes_left_behind, running_stack
+from local_stack.triton import EXAMPLE_MODELS
 from local_stack.triton_inputs import simple_inputs, tensor
 
 READ_ONLY_ROOT = [

@@ -14,13 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from local_stack.harness import TEST_MODELS
 from local_stack.polling import until
 from local_stack.ports import free_ports
 from local_stack.processes import SHARED_MEMORY, TRITON_REGION_PREFIX
 from local_stack.settings import TritonPorts
 from local_stack.stack import server_ready
-from local_stack.triton import TritonSupervisor, command, prepare_backends
+from local_stack.triton import TEST_MODELS, TritonSupervisor, command, prepare_backends
 
 
 def _mapped_regions(pid: int) -> set[Path]:
