@@ -8,7 +8,6 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -228,7 +227,8 @@ def stop_problems(process: StackProcess, ports: dict[str, str], took_s: float,
     left = processes_left_behind(process)
     if left:
         problems.append(f"processes left: {left}")
-    held = [f"{name}={port}" for name, port in sorted(ports.items()) if not port_free(int(port))]
+    listening = listening_ports()
+    held = [f"{name}={port}" for name, port in sorted(ports.items()) if int(port) in listening]
     if held:
         problems.append(f"ports still listening: {held}")
     regions = sorted(set(orphaned_regions()) - regions_before)
@@ -237,15 +237,16 @@ def stop_problems(process: StackProcess, ports: dict[str, str], took_s: float,
     return problems
 
 
-def port_free(port: int) -> bool:
-    """Nothing listens on the port (a closed connection's TIME_WAIT does not count)."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("0.0.0.0", port))
-        except OSError:
-            return False
-    return True
+def listening_ports() -> set[int]:
+    """Every TCP port something on this machine listens on (/proc/net/tcp and tcp6, state
+    0A): a closed connection's TIME_WAIT or FIN_WAIT on a port does not count."""
+    ports = set()
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A":
+                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
 
 
 def serve_config_with(directory: Path, deployment: dict[str, Any] | None = None,
