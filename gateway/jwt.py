@@ -38,7 +38,7 @@ from typing import Any
 
 import yaml
 
-from gateway.routes import OFF_FILTER_TYPE, ROOT
+from gateway.routes import ROOT
 from tools.env_file import env_file
 from tools.generated import write_or_check_sites
 
@@ -124,9 +124,9 @@ def check_jwks(text: str) -> dict[str, Any]:
 
 
 def filter_config(settings: JwtSettings | None, jwks_text: str = "") -> dict[str, Any]:
-    """jwt_authn's config; without settings, the filter that does nothing (off)."""
+    """jwt_authn's config: no provider (every call passes untouched) without settings."""
     if settings is None:
-        return {"@type": OFF_FILTER_TYPE}
+        return {"@type": JWT_AUTHN_TYPE}
     if settings.jwks_uri is None:
         check_jwks(jwks_text)
         keys: dict[str, Any] = {"local_jwks": {"inline_string": jwks_text}}
@@ -172,7 +172,7 @@ def write(path: Path, settings: JwtSettings | None, jwks_text: str = "") -> None
 
 
 def render_shipped() -> str:
-    return ("# The gateway's token check, off: a filter that does nothing in jwt_authn's place\n"
+    return ("# The gateway's token check, off: jwt_authn with no provider lets every call pass\n"
             "# (gateway/jwt.py writes it with `make gateway-config`; a site's own replaces it).\n"
             + yaml.safe_dump(document(None), sort_keys=False))
 

@@ -32,12 +32,6 @@ GRPC_LISTENER, GRPC_CLUSTER = "triton-grpc", "triton"
 HTTP_LISTENER, HTTP_CLUSTER = "triton-http", "triton-http"
 # Where client-checks.lua asks whether the GPUs are saturated (the Ray head's admission port).
 CONTROL_PLANE_CLUSTER = "control-plane"
-# What a discovered filter (the token checks' jwt_authn, the tenant shares' local_ratelimit) is
-# while its feature is off: header_mutation with no mutation, which does nothing per call; the
-# feature's own filter with nothing configured still costs (jwt_authn with no provider,
-# local_ratelimit with no bucket: 15-20 us a call on a 16-core node, bench/node.py).
-OFF_FILTER_TYPE = ("type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3."
-                   "HeaderMutation")
 # grpc-status 7, PERMISSION_DENIED: what Envoy answers a gRPC call for HTTP 403.
 REFUSAL_STATUS = 403
 

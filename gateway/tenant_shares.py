@@ -31,7 +31,7 @@ from typing import Any
 
 import yaml
 
-from gateway.routes import OFF_FILTER_TYPE, ROOT
+from gateway.routes import ROOT
 from tools.env_file import env_file
 from tools.generated import write_or_check_sites
 
@@ -91,11 +91,10 @@ def parse_tenant_map(text: str) -> list[tuple[str, str]]:
 
 
 def filter_config(shares: dict[str, int]) -> dict[str, Any]:
-    """local_ratelimit's config: a bucket per tenant with a share; with no share, the filter
-    that does nothing (off)."""
-    if not shares:
-        return {"@type": OFF_FILTER_TYPE}
+    """local_ratelimit's config: a bucket per tenant with a share; none, every call passes."""
     config: dict[str, Any] = {"@type": LOCAL_RATELIMIT_TYPE, "stat_prefix": "tenant_shares"}
+    if not shares:
+        return config
 
     def always(key: str) -> dict[str, Any]:
         return {"default_value": {"numerator": 100, "denominator": "HUNDRED"},
@@ -149,7 +148,7 @@ def write(path: Path, shares: dict[str, int]) -> None:
 
 
 def render_shipped() -> str:
-    return ("# No tenant has a share: a filter that does nothing in local_ratelimit's place\n"
+    return ("# No tenant has a share: local_ratelimit with no bucket lets every call pass\n"
             "# (gateway/tenant_shares.py writes it with `make gateway-config`; a site's own\n"
             "# replaces it).\n" + yaml.safe_dump(document({}), sort_keys=False))
 
