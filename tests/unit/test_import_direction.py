@@ -2,9 +2,9 @@
 other packages; the generators and the checks (gateway/, schema/, tools/, observability/)
 never import the development harness (local_stack/), the tests or the benches; local_stack/
 imports neither tests nor benches, and tests and benches not each other (but for a bench's own
-test, tests/unit/test_bench_<name>.py, which imports what it tests). Every import counts,
-those inside functions too (they hid a cycle: gateway/jwt.py -> local_stack.settings ->
-gateway/jwt.py). `make lint` runs this file."""
+test, named test_bench_<name>.py, which imports what it tests: tests/unit/test_bench_node.py).
+Every import counts, those inside functions too (they hid a cycle: gateway/jwt.py ->
+local_stack.settings -> gateway/jwt.py). `make lint` runs this file."""
 
 from __future__ import annotations
 
