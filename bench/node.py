@@ -168,13 +168,15 @@ def proxies(work: Path, triton_grpc: int, triton_http: int, cores: Cores,
            ADMIN_KEY_ENV: secrets.token_hex(16)}
     started: dict[str, Any] = {}
     addresses: dict[str, str] = {}
-    envoy_cmd = [str(gateway.envoy_binary()), "--concurrency", str(PROXY_CORES),
-                 "--disable-hot-restart", "-l", "warning", "-c"]
+    envoy_args = ["--concurrency", str(PROXY_CORES), "--disable-hot-restart", "-l", "warning",
+                  "-c"]
+    envoy_cmd = [str(gateway.envoy_binary()), *envoy_args]
     if "gateway" in paths:
         path = work / "gateway.yaml"
         path.write_text(yaml.safe_dump(config))
-        started["gateway"] = spawn(cores.pinned(cores.proxy, [*envoy_cmd, str(path)]),
-                                   work / "gateway.log", env)
+        # As the gateway's container starts it (gateway/start.sh).
+        started["gateway"] = spawn(cores.pinned(cores.proxy, gateway.started(
+            [*envoy_args, str(path)])), work / "gateway.log", env)
         addresses["gateway"] = f"localhost:{settings.grpc_port}"
     if "envoy-bare" in paths:
         floor = bare(config)

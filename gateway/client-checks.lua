@@ -8,24 +8,21 @@
 -- with 401 and Triton's error shape.
 --
 -- Admission (docs/admission.md), with the settings of the `admission` ConfigMap
--- (gateway/admission.env):
+-- (gateway/admission.env; read in gateway/gate.lua):
 -- * The start-of-job gate: a RepositoryIndex (what SonicTriton calls when a job starts, and
 --   treats a failed answer as "skip this server") is refused with SONIC_RAY_GATE_STATUS while
---   no Triton is ready, or while the control plane says the GPUs are saturated
---   (serve/triton_pod/admission.py, asked at most once a second per worker; an answer older
---   than SONIC_RAY_GATE_STALE_S, or none, counts as SONIC_RAY_GATE_WHEN_STALE says).
--- * No Triton ready (scaling from zero, every GPU pod failing): a job start (RepositoryIndex,
---   ServerReady, ModelReady) gets the gate's status at once, so that the job skips this
---   server; any other call UNAVAILABLE / 503 with a retry hint (grpc-retry-pushback-ms,
---   Retry-After) and words saying whether a GPU pod is on its way: from the control plane's
---   answer (how long the deployment has wanted more pods than run) and the site's
---   SONIC_RAY_GPU_POD_START_S, roughly when it will be ready. With SONIC_RAY_HOLD_S above 0,
---   a job start is held instead until a Triton answers ready (then it passes, to a ready
---   Triton) or that many seconds pass (then the gate's answer).
--- * Backpressure: Triton's own refusal of a call its queue cannot hold (a model's
---   dynamic_batching.default_queue_policy with max_queue_size and timeout_action REJECT) goes
---   to the client as RESOURCE_EXHAUSTED / 429 with a retry hint (grpc-retry-pushback-ms,
---   Retry-After) instead of UNAVAILABLE / 503, which clients read as "this server is down".
+--   no Triton is ready, or while the control plane says the GPUs are saturated (an answer
+--   older than SONIC_RAY_GATE_STALE_S, or none, counts as SONIC_RAY_GATE_WHEN_STALE says).
+-- * Job starts (RepositoryIndex, ServerReady, ModelReady) are marked in the call's metadata,
+--   so that gateway/error-answers.lua answers them with the gate's status while no Triton is
+--   ready. With SONIC_RAY_HOLD_S above 0, a job start is held instead until a Triton answers
+--   ready (then it passes, to a ready Triton) or that many seconds pass (then the gate's
+--   answer).
+--
+-- Where this runs (gateway/envoy.yaml): on the job-start routes always; on every other call
+-- only where a site checks or names its callers (tokens, JWTs, certificate subjects, tenants,
+-- shares: gateway/start.sh decides from the same settings). Elsewhere Envoy's own filters
+-- strip the admin headers and record an anonymous caller, and no Lua runs on the call.
 --
 -- Client certificates (components/mtls): Envoy's handshake has checked that the CA signed the
 -- certificate; when SONIC_RAY_CLIENT_SUBJECTS lists patterns (";"-separated, "*" any run of
@@ -39,119 +36,20 @@
 -- first SONIC_RAY_TENANTS entry (";"-separated `tenant=pattern`, "*" any run of characters)
 -- whose pattern matches the identity, else a static token's name, else "other" ("anonymous"
 -- without a credential).
-local GRPC_CODES = {CANCELLED = 1, UNKNOWN = 2, INVALID_ARGUMENT = 3, DEADLINE_EXCEEDED = 4,
-                    NOT_FOUND = 5, ALREADY_EXISTS = 6, PERMISSION_DENIED = 7,
-                    RESOURCE_EXHAUSTED = 8, FAILED_PRECONDITION = 9, ABORTED = 10,
-                    OUT_OF_RANGE = 11, UNIMPLEMENTED = 12, INTERNAL = 13, UNAVAILABLE = 14,
-                    DATA_LOSS = 15, UNAUTHENTICATED = 16}
-
-local function setting(name, default)
-  local value = os.getenv(name)
-  if value == nil or value == "" then return default end
-  return value
-end
-
-local function number_setting(name, default)
-  local value = tonumber(setting(name, default))
-  if value == nil or value <= 0 then
-    error(name .. "=" .. tostring(os.getenv(name)) .. " must be a positive number")
-  end
-  return value
-end
-
-local GATE_STATUS_NAME = setting("SONIC_RAY_GATE_STATUS", "CANCELLED")
-local GATE_STATUS = GRPC_CODES[GATE_STATUS_NAME]
-if GATE_STATUS == nil then
-  error("SONIC_RAY_GATE_STATUS=" .. GATE_STATUS_NAME .. " is not a gRPC status name (OK excluded)")
-end
-local WHEN_STALE = setting("SONIC_RAY_GATE_WHEN_STALE", "open")
-if WHEN_STALE ~= "open" and WHEN_STALE ~= "closed" then
-  error("SONIC_RAY_GATE_WHEN_STALE=" .. WHEN_STALE .. " must be open or closed")
-end
-local STALE_S = number_setting("SONIC_RAY_GATE_STALE_S", "10")
-local RETRY_AFTER_S = number_setting("SONIC_RAY_RETRY_AFTER_S", "2")
-local GPU_POD_START_S = number_setting("SONIC_RAY_GPU_POD_START_S", "300")
-local HOLD_S = tonumber(setting("SONIC_RAY_HOLD_S", "0"))
-if HOLD_S == nil or HOLD_S < 0 then
-  error("SONIC_RAY_HOLD_S=" .. tostring(os.getenv("SONIC_RAY_HOLD_S")) ..
-        " must be a number of seconds, 0 or more")
-end
-local JOB_START_GRPC = "/inference.GRPCInferenceService/RepositoryIndex"
-local JOB_START_HTTP = "/v2/repository/index"
--- What a job asks when it starts, besides RepositoryIndex: whether the server and its model
--- are ready.
-local READY_GRPC = {["/inference.GRPCInferenceService/ServerReady"] = true,
-                    ["/inference.GRPCInferenceService/ModelReady"] = true}
-local function is_ready_http(request_path)
-  return request_path == "/v2/health/ready" or
-         (request_path:match("^/v2/models/[^/?]+/ready$") ~= nil) or
-         (request_path:match("^/v2/models/[^/?]+/versions/[^/?]+/ready$") ~= nil)
-end
--- Triton's words when a model's queue policy refuses a call; the gateway's own when it has no
--- Triton to send a call to (envoy.yaml, local_reply_config).
-local QUEUE_FULL = "Exceeds maximum queue size"
-local NO_TRITON = "no Triton is ready"
-local REFRESH_S = 1
--- The control plane's last answer: its state, its reason, when it was made (os.time()) and
--- for how long GPU pods had then been on their way (nil: none was missing).
-local gate = {state = nil, reason = "", made_at = nil, starting_for_s = nil}
-local asked_at = -REFRESH_S
-local asking_since = nil
-
-local function ask_control_plane(handle, now)
-  -- One question at a time per worker; a stream reset while waiting never resumes, so an
-  -- old question stops counting after two refresh periods.
-  if now - asked_at < REFRESH_S then return end
-  if asking_since ~= nil and now - asking_since < 2 * REFRESH_S then return end
-  asked_at, asking_since = now, now
-  local headers, body = handle:httpCall("control-plane", {
-    [":method"] = "GET", [":path"] = "/admission", [":authority"] = "control-plane"
-  }, nil, 100)
-  asking_since = nil
-  if headers == nil or headers[":status"] ~= "200" or body == nil then return end
-  local state = body:match('"state": *"(%a+)"')
-  local age = tonumber(body:match('"age_s": *([%d%.]+)') or "")
-  if (state == "open" or state == "closed") and age ~= nil then
-    gate.state, gate.made_at = state, now - age
-    gate.reason = body:match('"reason": *"([^"]*)"') or ""
-    gate.starting_for_s = tonumber(body:match('"starting_for_s": *([%d%.]+)') or "")
-  end
-end
-
--- Why a job should not start here now, or nil.
-local function gate_closed(handle)
-  local now = os.time()
-  ask_control_plane(handle, now)
-  if gate.made_at ~= nil and now - gate.made_at <= STALE_S then
-    if gate.state == "closed" then return gate.reason end
-    return nil
-  end
-  if WHEN_STALE == "closed" then
-    return "the control plane's word on the GPUs' load is missing or older than " ..
-           STALE_S .. " s, and this site closes the gate then"
-  end
-  return nil
-end
-
-local function job_start_refusal(reason, retry_s)
-  return "no new jobs here now: " .. reason .. " (use another server, or retry in " ..
-         (retry_s or RETRY_AFTER_S) .. " s)"
-end
-
--- With no Triton ready: whether a GPU pod is on its way, and in how many seconds to retry.
-local function no_triton_now(handle)
-  local now = os.time()
-  ask_control_plane(handle, now)
-  if gate.made_at ~= nil and now - gate.made_at <= STALE_S and gate.starting_for_s ~= nil then
-    local waited = math.floor(gate.starting_for_s + now - gate.made_at)
-    local left = math.max(RETRY_AFTER_S, math.ceil(GPU_POD_START_S - waited))
-    return "no Triton is ready behind this endpoint: a GPU pod is starting (asked for " ..
-           waited .. " s ago; one takes about " .. GPU_POD_START_S .. " s here)", left
-  end
-  return "no Triton is ready behind this endpoint, and no GPU pod is starting (each is " ..
-         "draining or failing its health check, or the control plane has not yet seen " ..
-         "these calls)", RETRY_AFTER_S
-end
+local gate = require("gate")
+local GRPC_CODES = gate.GRPC_CODES
+local setting = gate.setting
+local number_setting = gate.number_setting
+local GATE_STATUS = gate.GATE_STATUS
+local RETRY_AFTER_S = gate.RETRY_AFTER_S
+local HOLD_S = gate.HOLD_S
+local JOB_START_GRPC = gate.JOB_START_GRPC
+local JOB_START_HTTP = gate.JOB_START_HTTP
+local READY_GRPC = gate.READY_GRPC
+local is_ready_http = gate.is_ready_http
+local gate_closed = gate.gate_closed
+local job_start_refusal = gate.job_start_refusal
+local no_triton_now = gate.no_triton_now
 
 local function refuse_job_start(handle, grpc, reason)
   local message = job_start_refusal(reason)
@@ -273,7 +171,6 @@ for _, entry in ipairs(entries("SONIC_RAY_TENANT_SHARES", "^([%w%-%._/]+)%s*=%s*
                                "tenant=calls/s")) do
   SHARES[entry[1]] = entry[2]
 end
-local OVER_SHARE = "is over its share of"
 
 -- Records who called, for the access log, the per-tenant counters and shares (envoy.yaml).
 local function record(handle, identity, payload, token_name)
@@ -488,63 +385,6 @@ function envoy_on_request(handle)
       -- envoy.yaml's local reply puts the words in Triton's error shape.
       handle:respond({[":status"] = "503", ["retry-after"] = tostring(math.ceil(retry_s))},
                      message)
-    end
-  end
-end
-
-function envoy_on_response(handle)
-  local headers = handle:headers()
-  local grpc_status = headers:get("grpc-status")
-  if grpc_status == "8" and (headers:get("grpc-message") or ""):find(OVER_SHARE, 1, true) then
-    headers:replace("grpc-message", headers:get("grpc-message") .. "; retry in " ..
-                    RETRY_AFTER_S .. " s")
-    headers:add("grpc-retry-pushback-ms", tostring(math.floor(RETRY_AFTER_S * 1000)))
-  elseif grpc_status == nil and headers:get(":status") == "429" then
-    -- Over a tenant's share (the gateway's only 429 of its own).
-    headers:replace("retry-after", tostring(math.ceil(RETRY_AFTER_S)))
-  elseif grpc_status == "14" then
-    local message = headers:get("grpc-message") or ""
-    if message:find(QUEUE_FULL, 1, true) then
-      headers:replace("grpc-status", "8")
-      headers:replace("grpc-message", message .. "; retry in " .. RETRY_AFTER_S .. " s")
-      headers:add("grpc-retry-pushback-ms", tostring(math.floor(RETRY_AFTER_S * 1000)))
-    elseif message:find(NO_TRITON, 1, true) then
-      -- Asking the control plane may wait: the headers are asked for again after.
-      local why, retry_s = no_triton_now(handle)
-      local answered = handle:headers()
-      local meta = handle:streamInfo():dynamicMetadata():get("sonic-ray")
-      if meta ~= nil and meta["job-start"] == "grpc" then
-        answered:replace("grpc-status", tostring(GATE_STATUS))
-        answered:replace("grpc-message", job_start_refusal(why, retry_s))
-      else
-        answered:replace("grpc-message", why .. "; retry in about " .. retry_s .. " s")
-      end
-      answered:add("grpc-retry-pushback-ms", tostring(math.floor(retry_s * 1000)))
-    end
-  elseif grpc_status == nil and headers:get(":status") == "503" then
-    if (headers:get("content-type") or ""):sub(1, 16) == "application/grpc" then return end
-    local meta = handle:streamInfo():dynamicMetadata():get("sonic-ray")
-    local job_start = meta ~= nil and meta["job-start"] or nil
-    if job_start == "answered" then return end
-    -- Waiting for the body ends the headers object's scope: ask for them again after.
-    local body = handle:body()
-    local text = body ~= nil and body:length() < 4096 and body:getBytes(0, body:length()) or ""
-    if text:find(QUEUE_FULL, 1, true) then
-      local answered = handle:headers()
-      answered:replace(":status", "429")
-      answered:add("retry-after", tostring(math.ceil(RETRY_AFTER_S)))
-    elseif text:find(NO_TRITON, 1, true) then
-      local why, retry_s = no_triton_now(handle)
-      local message = why .. "; retry in about " .. retry_s .. " s"
-      if job_start == "http" then
-        message = job_start_refusal(why, retry_s)
-      end
-      -- Triton's error shape, as envoy.yaml's local reply writes it (no quote in the words).
-      local error_body = '{"error":"' .. message .. '"}'
-      handle:body():setBytes(error_body)
-      local answered = handle:headers()
-      answered:replace("content-length", tostring(#error_body))
-      answered:replace("retry-after", tostring(math.ceil(retry_s)))
     end
   end
 end

@@ -24,6 +24,9 @@ from gateway import routes, tls
 
 HERE = Path(__file__).resolve().parent
 CONFIG = HERE / "envoy.yaml"
+START = HERE / "start.sh"
+# What start.sh sets for the Lua filters' `require` of gateway/gate.lua.
+LUA_PATH = {"LUA_PATH": f"{HERE}/?.lua;;"}
 CLUSTER = routes.GRPC_CLUSTER
 MOUNTED_AT = tls.MOUNTED_AT
 
@@ -38,8 +41,14 @@ def socket_of(address: dict[str, Any]) -> dict[str, Any]:
 
 
 def _lua_filters(config: dict[str, Any]) -> list[dict[str, Any]]:
-    return [f["typed_config"]["default_source_code"] for f in routes.http_filters(config)
-            if f.get("name") == "envoy.filters.http.lua"]
+    """The sources of the Lua filters, whether in the chain or wrapped in a matcher."""
+    found = []
+    for entry in routes.http_filters(config):
+        typed = entry.get("typed_config", {})
+        typed = typed.get("extension_config", {}).get("typed_config", typed)
+        if typed.get("@type", "").endswith("filters.http.lua.v3.Lua"):
+            found.append(typed["default_source_code"])
+    return found
 
 
 def with_files_here(config: dict[str, Any], folder: Path = HERE) -> dict[str, Any]:
@@ -83,10 +92,16 @@ def write_endpoints(path: Path, ports: Iterable[int], cluster: str = CLUSTER) ->
     os.replace(staged, path)
 
 
+def started(envoy_args: list[str]) -> list[str]:
+    """Envoy with these arguments, started as the gateway's container starts it
+    (gateway/start.sh: the site's settings decide what runs on every call)."""
+    return ["env", f"ENVOY={envoy_binary()}", "sh", str(START), *envoy_args]
+
+
 def command(config_path: Path, log_level: str = "warning") -> list[str]:
     # One worker thread: on two cores the client, Triton and Envoy share the CPU.
-    return [str(envoy_binary()), "-c", str(config_path), "--concurrency", "1",
-            "--disable-hot-restart", "-l", log_level]
+    return started(["-c", str(config_path), "--concurrency", "1", "--disable-hot-restart",
+                    "-l", log_level])
 
 
 def _healthy(host: dict[str, Any]) -> bool:
@@ -123,7 +138,8 @@ def validate(path: Path = CONFIG) -> int:
         staged = Path(folder) / "envoy.yaml"
         staged.write_text(yaml.safe_dump(config))
         return subprocess.run([str(envoy_binary()), "--mode", "validate", "-c", str(staged),
-                               "--log-level", "warning"], check=False).returncode
+                               "--log-level", "warning"], check=False,
+                              env={**os.environ, **LUA_PATH}).returncode
 
 
 def main(argv: list[str]) -> int:

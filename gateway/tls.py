@@ -117,7 +117,19 @@ def with_tls(config: dict[str, Any], client_certificates: bool) -> dict[str, Any
     for listener in ALPN:
         for chain in named(config, "listeners", listener)["filter_chains"]:
             chain["transport_socket"] = transport_socket(listener, client_certificates)
+            if client_certificates:
+                _checked_always(chain)
     return config
+
+
+def _checked_always(chain: dict[str, Any]) -> None:
+    """Every call passes the client checks: a certificate names its caller (`cert:<subject>`,
+    tenant "other" or a SONIC_RAY_TENANTS pattern's), which only the checks record; the routes
+    that may skip them (gateway/envoy.yaml, sonic_ray.calls_unchecked) are left out."""
+    for network_filter in chain["filters"]:
+        for host in network_filter["typed_config"]["route_config"]["virtual_hosts"]:
+            host["routes"] = [route for route in host["routes"]
+                              if "runtime_fraction" not in route["match"]]
 
 
 def header(component: str) -> str:

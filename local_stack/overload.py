@@ -57,11 +57,11 @@ RETRY_AFTER_S = 1
 # Serve's autoscaling at test speed; min = max: the facility runs max_replicas.
 AUTOSCALING = {"metrics_interval_s": 0.5, "look_back_period_s": 2, "upscale_delay_s": 1,
                "downscale_delay_s": 4, "min_replicas": TRITONS, "max_replicas": TRITONS}
-GATEWAY_LUA = gateway.HERE / "client-checks.lua"
+GATEWAY_LUA = gateway.HERE / "gate.lua"
 
 
 def gateway_refresh_s() -> int:
-    """How often the gateway asks the control plane (REFRESH_S in gateway/client-checks.lua,
+    """How often the gateway asks the control plane (REFRESH_S in gateway/gate.lua,
     its home)."""
     return one_number(GATEWAY_LUA, r"^local REFRESH_S = (\d+)$")
 

@@ -259,18 +259,19 @@ class _Gateway:
     source: str
 
 
-def _lua_sources(envoy: dict[str, Any], files: dict[str, str]) -> list[str]:
-    """The code of every Lua filter: inline, or the ConfigMap's file that `filename` names."""
-    sources = []
-    for http_filter in http_filters(envoy):
-        if http_filter.get("name") != "envoy.filters.http.lua":
-            continue
-        code = (http_filter.get("typed_config") or {}).get("default_source_code") or {}
-        if "inline_string" in code:
-            sources.append(str(code["inline_string"]))
-        elif "filename" in code:
-            sources.append(files.get(str(code["filename"]).rsplit("/", 1)[-1], ""))
-    return sources
+def _admin_headers_kept(envoy: dict[str, Any]) -> list[str]:
+    """The admin headers some virtual host of a client listener lets through from a client: each
+    must be in every virtual host's request_headers_to_remove (Envoy's own removal, which runs
+    on every call, Lua or not)."""
+    kept: set[str] = set()
+    for listener in (GRPC_LISTENER, HTTP_LISTENER):
+        for chain in named(envoy, "listeners", listener).get("filter_chains") or []:
+            for network_filter in chain.get("filters") or []:
+                routes = (network_filter.get("typed_config") or {}).get("route_config") or {}
+                for host in routes.get("virtual_hosts") or [{}]:
+                    removed = set(host.get("request_headers_to_remove") or [])
+                    kept |= {ADMIN_HEADER, HTTP_ADMIN_HEADER} - removed
+    return sorted(kept)
 
 
 def _add_gateway_facts(facts: Facts, stream: list[dict[str, Any]], spec: dict[str, Any],
@@ -289,11 +290,8 @@ def _add_gateway_facts(facts: Facts, stream: list[dict[str, Any]], spec: dict[st
     facts.put("gatewayAdminAddress", admin.get("address"), f"{source} admin.address")
     facts.put("gatewayRefusals", refusals(envoy, serve_config),
               f"{source} routes of the triton-grpc and triton-http listeners")
-    removed = {name for code in _lua_sources(envoy, files)
-               for name in re.findall(r"""remove\(\s*["']([^"']+)["']\s*\)""", code)}
-    facts.put("gatewayKeepsAdminHeaders",
-              sorted({ADMIN_HEADER, HTTP_ADMIN_HEADER} - removed),
-              f"{source} http_filters[envoy.filters.http.lua]")
+    facts.put("gatewayKeepsAdminHeaders", _admin_headers_kept(envoy),
+              f"{source} listeners' virtual_hosts[].request_headers_to_remove")
     triton = named(envoy, "clusters", GRPC_CLUSTER)
     dns = ((triton.get("cluster_type") or {}).get("typed_config") or {})
     refresh = dns.get("dns_refresh_rate") or triton.get("dns_refresh_rate") or "5s"  # default
@@ -403,7 +401,7 @@ def _tls_facts(facts: Facts, deployment: dict[str, Any], envoy: dict[str, Any],
         print(f"note: {CLEAR_CREDENTIALS_ANNOTATION} on the gateway: {why}", file=sys.stderr)
 
 
-# Admission's settings that client-checks.lua reads (gateway/admission.env), by fact name.
+# Admission's settings that gateway/gate.lua reads (gateway/admission.env), by fact name.
 GATE_SETTINGS = {"gateStatus": "SONIC_RAY_GATE_STATUS", "whenStale": "SONIC_RAY_GATE_WHEN_STALE",
                  "staleS": "SONIC_RAY_GATE_STALE_S", "retryAfterS": "SONIC_RAY_RETRY_AFTER_S",
                  "gpuPodStartS": "SONIC_RAY_GPU_POD_START_S", "holdS": "SONIC_RAY_HOLD_S"}

@@ -1,0 +1,24 @@
+#!/bin/sh
+# Starts the gateway's Envoy: the container's command (gateway/gateway.yaml), and how `make
+# local` starts it too (ENVOY naming the binary). What it adds to Envoy's arguments, decided
+# once from the site's settings (the `admission` and `front-door` ConfigMaps):
+# * Whether calls other than job starts pass the client checks (gateway/client-checks.lua): on
+#   every call where the site checks or names its callers (bearer tokens, JWTs, certificate
+#   subjects, tenants, tenant shares); otherwise the runtime key sonic_ray.calls_unchecked
+#   (gateway/envoy.yaml) routes them past the Lua, and Envoy's own filters record an anonymous
+#   caller. Envoy started without this script runs the checks on every call.
+# * LUA_PATH: both Lua filters require gateway/gate.lua, which lies beside this file.
+set -eu
+here=$(dirname "$0")
+unchecked=100
+for value in "${SONIC_RAY_AUTH_TOKENS_FILE:-}" "${SONIC_RAY_JWT_ISSUER:-}" \
+    "${SONIC_RAY_CLIENT_SUBJECTS:-}" "${SONIC_RAY_TENANTS:-}" "${SONIC_RAY_TENANT_CLAIM:-}" \
+    "${SONIC_RAY_TENANT_SHARES:-}"; do
+  # A value of blanks and ";" only names nothing, as client-checks.lua reads it.
+  if [ -n "$(printf '%s' "$value" | tr -d ' \t;')" ]; then unchecked=0; fi
+done
+export LUA_PATH="$here/?.lua;;"
+echo "[gateway] calls other than job starts pass the client checks:" \
+  "$([ "$unchecked" = 0 ] && echo yes || echo no, none is configured)" >&2
+exec "${ENVOY:-envoy}" "$@" --config-yaml \
+  "{layered_runtime: {layers: [{name: site, static_layer: {sonic_ray.calls_unchecked: $unchecked}}]}}"
