@@ -74,8 +74,8 @@ async def timed(call: Callable[[], Awaitable[object]], concurrency: int,
 
 
 async def measure_grpc(url: str, size: str, concurrency: int, seconds: float,
-                   ca: Path | None = None) -> Measured:
-    """`ca`: over TLS, trusting that CA."""
+                   ca: Path | None = None, headers: dict[str, str] | None = None) -> Measured:
+    """`ca`: over TLS, trusting that CA; `headers`: sent with every call (a bearer token)."""
     model, make_inputs = call_inputs(size)
     options = [("grpc.max_send_message_length", 1 << 30),
                ("grpc.max_receive_message_length", 1 << 30)]
@@ -83,7 +83,7 @@ async def measure_grpc(url: str, size: str, concurrency: int, seconds: float,
                                           root_certificates=str(ca) if ca else None)
     inputs = make_inputs()
     try:
-        return await timed(lambda: client.infer(model, inputs, client_timeout=30),
-                            concurrency, seconds)
+        return await timed(lambda: client.infer(model, inputs, client_timeout=30,
+                                                headers=headers), concurrency, seconds)
     finally:
         await client.close()

@@ -2,7 +2,8 @@
 (Ray not needed): one Triton, and in front of it, each on the same cores with the same workers,
 the shipped gateway (gateway/envoy.yaml as `make local` runs it), a bare Envoy of the same
 binary (the gateway's clusters and HTTP/2 settings, router only, no access log), HAProxy at L7
-(HTTP/2 both sides, a server picked per call) and at L4 (`mode tcp`). The same
+(HTTP/2 both sides, a server picked per call) and at L4 (`mode tcp`), and the gateway with the
+per-call checks a site may turn on (`gateway-checked`: bearer tokens, tenants, a share). The same
 tritonclient.grpc.aio load goes to each path in turn, repeated so that noise cancels; each cell
 gives calls/s as ratios to direct Triton, to the bare Envoy and to L4, p50, and each proxy's
 CPU per call. With 8 cores or more, Triton, the proxies (PROXY_CORES) and the clients run on
@@ -10,7 +11,7 @@ cores of their own (taskset). Prints a table and the hot-path issue's targets, w
 a PNG plot to bench-results/.
 
     python -m bench.node [--seconds 3] [--repeats 3] [--cells small:1 small:8 ...]
-                         [--paths direct gateway envoy-bare haproxy-l7 l4]
+                         [--paths direct gateway envoy-bare haproxy-l7 l4 gateway-checked]
 """
 
 from __future__ import annotations
@@ -48,11 +49,19 @@ from local_stack.ports import free_ports
 from local_stack.processes import spawn, terminate
 from local_stack.settings import Settings, TritonPorts
 from local_stack.triton import EXAMPLE_MODELS, TEST_MODELS, merged_model_repository
-from triton_pod.access import ADMIN_KEY_ENV
+from triton_pod.access import ADMIN_KEY_ENV, TOKENS_FILE_ENV
 
 # What a gateway pod requests (gateway/gateway.yaml: cpu "2"), and Envoy's workers there.
 PROXY_CORES = 2
-PATHS = ("direct", "gateway", "envoy-bare", "haproxy-l7", "l4")
+PATHS = ("direct", "gateway", "envoy-bare", "haproxy-l7", "l4", "gateway-checked")
+# The gateway with every per-call check a site may configure that needs no identity provider:
+# bearer tokens, a tenant map and a tenant share no call reaches (gateway/start.sh then runs
+# the client checks on every call).
+CHECKED_TOKEN = secrets.token_hex(16)
+CHECKED_TENANT = "bench"
+CHECKED_ENV = {"SONIC_RAY_TENANTS": f"{CHECKED_TENANT}=token:*",
+               "SONIC_RAY_TENANT_SHARES": f"{CHECKED_TENANT}=1000000"}
+HEADERS = {"gateway-checked": {"authorization": f"Bearer {CHECKED_TOKEN}"}}
 # (size, calls in flight): the node's cells, and small c8 (this machine's targets).
 CELLS = (("small", 1), ("small", 8), ("small", 64), ("small", 256), ("1MiB", 16))
 
@@ -101,11 +110,11 @@ class Cell:
     triton_cpu_us_per_call: float
 
 
-def _ready(url: str) -> object:
+def _ready(url: str, headers: dict[str, str] | None = None) -> object:
     client = tc.InferenceServerClient(url)
     try:
-        return (client.is_model_ready("simple") and client.is_model_ready("identity_fp32")
-                ) or "models loading"
+        return (client.is_model_ready("simple", headers=headers)
+                and client.is_model_ready("identity_fp32", headers=headers)) or "models loading"
     except InferenceServerException as error:
         return str(error)
     finally:
@@ -113,7 +122,7 @@ def _ready(url: str) -> object:
 
 
 def _gateway_config(folder: Path, triton_grpc: int, triton_http: int,
-                    ) -> tuple[dict[str, Any], Settings]:
+                    shares: dict[str, int] | None = None) -> tuple[dict[str, Any], Settings]:
     """The shipped config as make local runs it, its Tritons the one Triton here."""
     names = ("GRPC_PORT", "HTTP_PORT", "GATEWAY_METRICS_PORT", "GATEWAY_ADMIN_PORT",
              "ADMISSION_PORT")
@@ -126,7 +135,7 @@ def _gateway_config(folder: Path, triton_grpc: int, triton_http: int,
     discovered = jwt_folder(endpoints)
     discovered.mkdir(parents=True, exist_ok=True)
     jwt.write(discovered / jwt.JWT_AUTHN_FILE, None)
-    tenant_shares.write(discovered / tenant_shares.SHARES_FILE, {})
+    tenant_shares.write(discovered / tenant_shares.SHARES_FILE, shares or {})
     return local_config(settings, endpoints, http_endpoints, None, folder / "access.log"), settings
 
 
@@ -178,6 +187,17 @@ def proxies(work: Path, triton_grpc: int, triton_http: int, cores: Cores,
         started["gateway"] = spawn(cores.pinned(cores.proxy, gateway.started(
             [*envoy_args, str(path)])), work / "gateway.log", env)
         addresses["gateway"] = f"localhost:{settings.grpc_port}"
+    if "gateway-checked" in paths:
+        checked, checked_settings = _gateway_config(work / "checked", triton_grpc, triton_http,
+                                                     {CHECKED_TENANT: 1000000})
+        tokens = work / "checked" / "tokens"
+        tokens.write_text(f"{CHECKED_TENANT} {CHECKED_TOKEN}\n")
+        path = work / "gateway-checked.yaml"
+        path.write_text(yaml.safe_dump(checked))
+        started["gateway-checked"] = spawn(cores.pinned(cores.proxy, gateway.started(
+            [*envoy_args, str(path)])), work / "gateway-checked.log",
+            {**env, **CHECKED_ENV, TOKENS_FILE_ENV: str(tokens)})
+        addresses["gateway-checked"] = f"localhost:{checked_settings.grpc_port}"
     if "envoy-bare" in paths:
         floor = bare(config)
         port, admin = free_ports(2)
@@ -205,7 +225,7 @@ def proxies(work: Path, triton_grpc: int, triton_http: int, cores: Cores,
                 if process.poll() is not None:
                     raise RuntimeError(f"{name} exited ({process.returncode}): "
                                        + (work / f"{name}.log").read_text()[-2000:])
-                return _ready(url)
+                return _ready(url, HEADERS.get(name))
 
             until(f"{name} to carry calls to Triton", answers, 60, every_s=0.2)
         yield {name: (addresses[name], started[name].pid) for name in addresses}
@@ -220,18 +240,19 @@ def _pin_client(cores: list[int] | None) -> None:
 
 
 def _client(url: str, size: str, concurrency: int, seconds: float,
-            ) -> tuple[int, list[float], int]:
-    return asyncio.run(measure_grpc(url, size, concurrency, seconds))
+            headers: dict[str, str] | None = None) -> tuple[int, list[float], int]:
+    return asyncio.run(measure_grpc(url, size, concurrency, seconds, headers=headers))
 
 
 def measure(pool: ProcessPoolExecutor, clients: int, url: str, size: str, concurrency: int,
-            seconds: float) -> tuple[float, list[float], int]:
+            seconds: float, headers: dict[str, str] | None = None,
+            ) -> tuple[float, list[float], int]:
     """calls/s, latencies and errors of `concurrency` calls in flight, shared by the clients."""
     shares = [concurrency // clients + (1 if i < concurrency % clients else 0)
               for i in range(min(clients, concurrency))]
     started = time.monotonic()
     results = list(pool.map(_client, [url] * len(shares), [size] * len(shares), shares,
-                            [seconds] * len(shares)))
+                            [seconds] * len(shares), [headers] * len(shares)))
     elapsed = time.monotonic() - started
     count = sum(r[0] for r in results)
     return count / elapsed, [x for r in results for x in r[1]], sum(r[2] for r in results)
@@ -278,7 +299,7 @@ def run(paths: list[str], cells: list[tuple[str, int]], seconds: float, repeats:
                     proxy0 = cpu_s([pid]) if path != "direct" else 0.0
                     triton0 = cpu_s([process.pid])
                     rps, latencies, errors = measure(pool, clients, url, size, concurrency,
-                                                     seconds)
+                                                     seconds, HEADERS.get(path))
                     proxy_s = cpu_s([pid]) - proxy0 if path != "direct" else 0.0
                     runs[path].append((rps, latencies, errors, proxy_s,
                                        cpu_s([process.pid]) - triton0))
@@ -324,19 +345,23 @@ def targets(cells: list[Cell]) -> list[str]:
     by = {(c.path, c.size, c.concurrency): c for c in cells}
     found = []
 
-    def ratio(size: str, k: int, field: str) -> float | None:
-        g, b = by.get(("gateway", size, k)), by.get(("envoy-bare", size, k))
+    def ratio(size: str, k: int, field: str, path: str = "gateway") -> float | None:
+        g, b = by.get((path, size, k)), by.get(("envoy-bare", size, k))
         if g is None or b is None:
             return None
         value: float = getattr(g, field) / max(getattr(b, field), 1e-9)
         return value
 
-    for label, size, k, field, limit, above in (
+    for label, size, k, field, limit, above, path in (
             ("gateway CPU per small call / bare Envoy's (<= 1.2)", "small", 8,
-             "proxy_cpu_us_per_call", 1.2, False),
-            ("gateway calls/s / bare Envoy's, small c8 (>= 0.87)", "small", 8, "rps", 0.87, True),
-            ("gateway calls/s / bare Envoy's, 1 MiB c16 (>= 0.9)", "1MiB", 16, "rps", 0.9, True)):
-        value = ratio(size, k, field)
+             "proxy_cpu_us_per_call", 1.2, False, "gateway"),
+            ("gateway calls/s / bare Envoy's, small c8 (>= 0.87)", "small", 8, "rps", 0.87, True,
+             "gateway"),
+            ("gateway calls/s / bare Envoy's, 1 MiB c16 (>= 0.9)", "1MiB", 16, "rps", 0.9, True,
+             "gateway"),
+            ("gateway with its checks on, CPU per small call / bare Envoy's (<= 1.3)", "small", 8,
+             "proxy_cpu_us_per_call", 1.3, False, "gateway-checked")):
+        value = ratio(size, k, field, path)
         if value is not None:
             met = value >= limit if above else value <= limit
             found.append(f"{label}: {value:.2f} ({'met' if met else 'not met'})")

@@ -321,8 +321,15 @@ class ClusterStack:
         if self.settings.tokens_file:
             env[TOKENS_FILE_ENV] = self.settings.tokens_file
         binary = str(Path(sys.executable).with_name("envoy"))
-        return [ContainerSpec("envoy", [binary, *envoy.command], env, envoy.readiness,
-                              envoy.startup, envoy.prestop)]
+        argv = list(envoy.command)
+        if not argv or argv[0].startswith("-"):
+            # Arguments only: the image's entrypoint runs Envoy with them.
+            argv = [binary, *argv]
+        else:
+            # The container's own command (gateway/start.sh) runs the image's `envoy`.
+            env["ENVOY"] = binary
+        return [ContainerSpec("envoy", argv, env, envoy.readiness, envoy.startup,
+                              envoy.prestop)]
 
     # --- controllers
 
