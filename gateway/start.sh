@@ -18,7 +18,11 @@ for value in "${SONIC_RAY_AUTH_TOKENS_FILE:-}" "${SONIC_RAY_JWT_ISSUER:-}" \
   if [ -n "$(printf '%s' "$value" | tr -d ' \t;')" ]; then unchecked=0; fi
 done
 export LUA_PATH="$here/?.lua;;"
-echo "[gateway] calls other than job starts pass the client checks:" \
-  "$([ "$unchecked" = 0 ] && echo yes || echo no, none is configured)" >&2
+if [ "$unchecked" = 0 ]; then
+  echo "[gateway] the client checks run on every call: the site checks or names its callers" >&2
+else
+  echo "[gateway] the client checks run on job starts only: nothing checks or names callers" \
+    "(components/mtls runs them on every call)" >&2
+fi
 exec "${ENVOY:-envoy}" "$@" --config-yaml \
   "{layered_runtime: {layers: [{name: site, static_layer: {sonic_ray.calls_unchecked: $unchecked}}]}}"
