@@ -38,17 +38,15 @@ import yaml
 from tritonclient.utils import InferenceServerException
 
 from bench.calls import RESULTS, SIZES, cpu_s, measure_grpc
-from gateway import jwt, tenant_shares
 from gateway import local as gateway
-from gateway.routes import GRPC_LISTENER, HTTP_CLUSTER, named
+from gateway.routes import GRPC_LISTENER, named
 from local_stack import triton
-from local_stack.gateway_config import jwt_folder, local_config
+from local_stack.gateway_config import gateway_env, write_lone_config
 from local_stack.polling import until
 from local_stack.ports import free_ports
 from local_stack.processes import spawn, terminate
 from local_stack.settings import Settings, TritonPorts
 from local_stack.triton import EXAMPLE_MODELS, TEST_MODELS, merged_model_repository
-from triton_pod.access import ADMIN_KEY_ENV
 
 # What a gateway pod requests (gateway/gateway.yaml: cpu "2"), and Envoy's workers there.
 PROXY_CORES = 2
@@ -113,21 +111,13 @@ def _ready(url: str) -> object:
 
 
 def _gateway_config(folder: Path, triton_grpc: int, triton_http: int,
-                    ) -> tuple[dict[str, Any], Settings]:
+                    ) -> tuple[Path, Settings]:
     """The shipped config as make local runs it, its Tritons the one Triton here."""
     names = ("GRPC_PORT", "HTTP_PORT", "GATEWAY_METRICS_PORT", "GATEWAY_ADMIN_PORT",
              "ADMISSION_PORT")
     settings = Settings.from_env({**os.environ, **dict(zip(names, map(
         str, free_ports(len(names))), strict=True))})
-    folder.mkdir(parents=True, exist_ok=True)
-    endpoints, http_endpoints = folder / "endpoints.json", folder / "endpoints-http.json"
-    gateway.write_endpoints(endpoints, [triton_grpc])
-    gateway.write_endpoints(http_endpoints, [triton_http], HTTP_CLUSTER)
-    discovered = jwt_folder(endpoints)
-    discovered.mkdir(parents=True, exist_ok=True)
-    jwt.write(discovered / jwt.JWT_AUTHN_FILE, None)
-    tenant_shares.write(discovered / tenant_shares.SHARES_FILE, {})
-    return local_config(settings, endpoints, http_endpoints, None, folder / "access.log"), settings
+    return write_lone_config(settings, folder, [triton_grpc], [triton_http]), settings
 
 
 def bare(config: dict[str, Any]) -> dict[str, Any]:
@@ -163,17 +153,15 @@ def haproxy_config(port: int, triton_grpc: int, layer: str) -> str:
 def proxies(work: Path, triton_grpc: int, triton_http: int, cores: Cores,
             paths: list[str]) -> Iterator[dict[str, tuple[str, int]]]:
     """Each proxy asked for, started: path -> (its gRPC address, its pid)."""
-    config, settings = _gateway_config(work / "gateway", triton_grpc, triton_http)
-    env = {**os.environ, **settings.admission_env(), **settings.front_door_env(),
-           ADMIN_KEY_ENV: secrets.token_hex(16)}
+    config_path, settings = _gateway_config(work / "gateway", triton_grpc, triton_http)
+    config = yaml.safe_load(config_path.read_text())
+    env = gateway_env(settings, secrets.token_hex(16))
     started: dict[str, Any] = {}
     addresses: dict[str, str] = {}
     envoy_cmd = [str(gateway.envoy_binary()), "--concurrency", str(PROXY_CORES),
                  "--disable-hot-restart", "-l", "warning", "-c"]
     if "gateway" in paths:
-        path = work / "gateway.yaml"
-        path.write_text(yaml.safe_dump(config))
-        started["gateway"] = spawn(cores.pinned(cores.proxy, [*envoy_cmd, str(path)]),
+        started["gateway"] = spawn(cores.pinned(cores.proxy, [*envoy_cmd, str(config_path)]),
                                    work / "gateway.log", env)
         addresses["gateway"] = f"localhost:{settings.grpc_port}"
     if "envoy-bare" in paths:
