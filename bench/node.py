@@ -39,17 +39,16 @@ import yaml
 from tritonclient.utils import InferenceServerException
 
 from bench.calls import RESULTS, SIZES, cpu_s, measure_grpc
-from gateway import jwt, tenant_shares
 from gateway import local as gateway
-from gateway.routes import GRPC_LISTENER, HTTP_CLUSTER, named
+from gateway.routes import GRPC_LISTENER, named
 from local_stack import triton
-from local_stack.gateway_config import jwt_folder, local_config
+from local_stack.gateway_config import gateway_env, write_lone_config
 from local_stack.polling import until
 from local_stack.ports import free_ports
 from local_stack.processes import spawn, terminate
 from local_stack.settings import Settings, TritonPorts
 from local_stack.triton import EXAMPLE_MODELS, TEST_MODELS, merged_model_repository
-from triton_pod.access import ADMIN_KEY_ENV, TOKENS_FILE_ENV
+from triton_pod.access import TOKENS_FILE_ENV
 
 # What a gateway pod requests (gateway/gateway.yaml: cpu "2"), and Envoy's workers there.
 PROXY_CORES = 2
@@ -122,21 +121,13 @@ def _ready(url: str, headers: dict[str, str] | None = None) -> object:
 
 
 def _gateway_config(folder: Path, triton_grpc: int, triton_http: int,
-                    shares: dict[str, int] | None = None) -> tuple[dict[str, Any], Settings]:
+                    shares: dict[str, int] | None = None) -> tuple[Path, Settings]:
     """The shipped config as make local runs it, its Tritons the one Triton here."""
     names = ("GRPC_PORT", "HTTP_PORT", "GATEWAY_METRICS_PORT", "GATEWAY_ADMIN_PORT",
              "ADMISSION_PORT")
     settings = Settings.from_env({**os.environ, **dict(zip(names, map(
         str, free_ports(len(names))), strict=True))})
-    folder.mkdir(parents=True, exist_ok=True)
-    endpoints, http_endpoints = folder / "endpoints.json", folder / "endpoints-http.json"
-    gateway.write_endpoints(endpoints, [triton_grpc])
-    gateway.write_endpoints(http_endpoints, [triton_http], HTTP_CLUSTER)
-    discovered = jwt_folder(endpoints)
-    discovered.mkdir(parents=True, exist_ok=True)
-    jwt.write(discovered / jwt.JWT_AUTHN_FILE, None)
-    tenant_shares.write(discovered / tenant_shares.SHARES_FILE, shares or {})
-    return local_config(settings, endpoints, http_endpoints, None, folder / "access.log"), settings
+    return write_lone_config(settings, folder, [triton_grpc], [triton_http], shares), settings
 
 
 def bare(config: dict[str, Any]) -> dict[str, Any]:
@@ -172,28 +163,24 @@ def haproxy_config(port: int, triton_grpc: int, layer: str) -> str:
 def proxies(work: Path, triton_grpc: int, triton_http: int, cores: Cores,
             paths: list[str]) -> Iterator[dict[str, tuple[str, int]]]:
     """Each proxy asked for, started: path -> (its gRPC address, its pid)."""
-    config, settings = _gateway_config(work / "gateway", triton_grpc, triton_http)
-    env = {**os.environ, **settings.admission_env(), **settings.front_door_env(),
-           ADMIN_KEY_ENV: secrets.token_hex(16)}
+    config_path, settings = _gateway_config(work / "gateway", triton_grpc, triton_http)
+    config = yaml.safe_load(config_path.read_text())
+    env = gateway_env(settings, secrets.token_hex(16))
     started: dict[str, Any] = {}
     addresses: dict[str, str] = {}
     envoy_args = ["--concurrency", str(PROXY_CORES), "--disable-hot-restart", "-l", "warning",
                   "-c"]
     envoy_cmd = [str(gateway.envoy_binary()), *envoy_args]
     if "gateway" in paths:
-        path = work / "gateway.yaml"
-        path.write_text(yaml.safe_dump(config))
         # As the gateway's container starts it (gateway/start.sh).
         started["gateway"] = spawn(cores.pinned(cores.proxy, gateway.started(
-            [*envoy_args, str(path)])), work / "gateway.log", env)
+            [*envoy_args, str(config_path)])), work / "gateway.log", env)
         addresses["gateway"] = f"localhost:{settings.grpc_port}"
     if "gateway-checked" in paths:
-        checked, checked_settings = _gateway_config(work / "checked", triton_grpc, triton_http,
-                                                     {CHECKED_TENANT: 1000000})
+        path, checked_settings = _gateway_config(work / "checked", triton_grpc, triton_http,
+                                                 {CHECKED_TENANT: 1000000})
         tokens = work / "checked" / "tokens"
         tokens.write_text(f"{CHECKED_TENANT} {CHECKED_TOKEN}\n")
-        path = work / "gateway-checked.yaml"
-        path.write_text(yaml.safe_dump(checked))
         started["gateway-checked"] = spawn(cores.pinned(cores.proxy, gateway.started(
             [*envoy_args, str(path)])), work / "gateway-checked.log",
             {**env, **CHECKED_ENV, TOKENS_FILE_ENV: str(tokens)})

@@ -5,15 +5,23 @@ JWKS_URI. gateway/local.py holds what the shipped config's own check needs as we
 
 from __future__ import annotations
 
+import os
 import urllib.parse
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from gateway import jwt, routes, tls
-from gateway.local import CONFIG, socket_of, with_certificates_at, with_files_here
+from gateway import jwt, routes, tenant_shares, tls
+from gateway.local import (
+    CONFIG,
+    socket_of,
+    with_certificates_at,
+    with_files_here,
+    write_endpoints,
+)
 from local_stack.settings import Settings
+from triton_pod.access import ADMIN_KEY_ENV
 
 
 def jwt_folder(endpoints_file: Path) -> Path:
@@ -89,3 +97,29 @@ def _with_jwks_provider(config: dict[str, Any], settings: Settings) -> None:
     if settings.jwks_ca_file is not None:
         cluster["transport_socket"]["typed_config"]["common_tls_context"][
             "validation_context"]["trusted_ca"] = {"filename": str(settings.jwks_ca_file)}
+
+
+def gateway_env(s: Settings, admin_key: str) -> dict[str, str]:
+    """Envoy's environment: the admission and front-door settings its Lua reads, and the admin
+    key it adds to the restricted RPCs that pass (gateway/envoy.yaml)."""
+    return {**os.environ, **s.admission_env(), **s.front_door_env(), ADMIN_KEY_ENV: admin_key}
+
+
+def write_lone_config(s: Settings, folder: Path, grpc_ports: list[int], http_ports: list[int],
+                      shares: dict[str, int] | None = None) -> Path:
+    """An Envoy of its own outside any stack (the tests' and benches'): the config for these
+    settings in `folder`, its Tritons these ports, the token checks off and the tenant shares
+    given (else those of SONIC_RAY_TENANT_SHARES); the config's path."""
+    folder.mkdir(parents=True, exist_ok=True)
+    endpoints, http_endpoints = folder / "endpoints.json", folder / "endpoints-http.json"
+    write_endpoints(endpoints, grpc_ports)
+    write_endpoints(http_endpoints, http_ports, routes.HTTP_CLUSTER)
+    discovered = jwt_folder(endpoints)
+    discovered.mkdir(parents=True, exist_ok=True)
+    jwt.write(discovered / jwt.JWT_AUTHN_FILE, None)
+    tenant_shares.write(discovered / tenant_shares.SHARES_FILE,
+                        s.tenant_shares() if shares is None else shares)
+    path = folder / "envoy.yaml"
+    path.write_text(yaml.safe_dump(local_config(s, endpoints, http_endpoints, None,
+                                                folder / "access.log")))
+    return path

@@ -49,6 +49,7 @@ from gateway import local as gateway
 from gateway.routes import HTTP_CLUSTER
 from local_stack import gateway_config, ports, prometheus, ray_cluster, triton
 from local_stack.autoscaler import PodOwner
+from local_stack.gateway_config import gateway_env
 from local_stack.polling import until
 from local_stack.processes import (
     Supervisor,
@@ -200,12 +201,6 @@ def write_gateway_config(s: Settings, endpoints_file: Path, http_endpoints_file:
     config_path.write_text(yaml.safe_dump(gateway_config.local_config(
         s, endpoints_file, http_endpoints_file, tls_folder, access_log)))
     return config_path, jwks
-
-
-def gateway_env(s: Settings, admin_key: str) -> dict[str, str]:
-    """Envoy's environment: the admission and front-door settings its Lua reads, and the admin
-    key it adds to the restricted RPCs that pass (gateway/envoy.yaml)."""
-    return {**os.environ, **s.admission_env(), **s.front_door_env(), ADMIN_KEY_ENV: admin_key}
 
 
 class Discovery:

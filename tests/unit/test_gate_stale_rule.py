@@ -17,13 +17,12 @@ from typing import Any
 import pytest
 
 from gateway import local as gateway
-from gateway.routes import HTTP_CLUSTER
+from local_stack.gateway_config import gateway_env, write_lone_config
 from local_stack.harness import stack_ports_env
 from local_stack.overload import gate_answer
 from local_stack.polling import until
 from local_stack.processes import spawn, terminate
 from local_stack.settings import Settings
-from local_stack.stack import gateway_env, write_gateway_config
 from tests.support.stand_in_http import serving
 
 STALE_S = 3
@@ -73,13 +72,7 @@ def lone_gateway(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
         for name, value in env.items():
             patch.setenv(name, value)
         settings = Settings.from_env(env)
-        folder = tmp_path / "gateway"
-        folder.mkdir()
-        endpoints, http_endpoints = folder / "endpoints.json", folder / "endpoints-http.json"
-        gateway.write_endpoints(endpoints, [])
-        gateway.write_endpoints(http_endpoints, [], HTTP_CLUSTER)
-        config, _ = write_gateway_config(settings, endpoints, http_endpoints, tmp_path / "tls",
-                                         None)
+        config = write_lone_config(settings, tmp_path / "gateway", [], [])
         log = tmp_path / "envoy.log"
         envoy: subprocess.Popen[bytes] = spawn(gateway.command(config), log,
                                                gateway_env(settings, "admin-key"))

@@ -31,12 +31,11 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from gateway import local as gateway
-from gateway.routes import HTTP_CLUSTER
+from local_stack.gateway_config import gateway_env, write_lone_config
 from local_stack.harness import stack_ports_env
 from local_stack.polling import until
 from local_stack.processes import spawn, terminate
 from local_stack.settings import Settings
-from local_stack.stack import gateway_env, write_gateway_config
 from triton_pod.access import ADMIN_HEADER, HTTP_ADMIN_HEADER
 
 ADMIN_KEY = "the-gateways-own-key"
@@ -181,13 +180,8 @@ def lone_gateway(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
                 patch.setenv(name, value)
             settings = Settings.from_env(env)
             folder = tmp_path / "gateway"
-            folder.mkdir()
-            endpoints, http_endpoints = folder / "endpoints.json", folder / "endpoints-http.json"
-            gateway.write_endpoints(endpoints, [grpc_port])
-            gateway.write_endpoints(http_endpoints, [http.server_address[1]], HTTP_CLUSTER)
-            access_log = tmp_path / "access.log"
-            config, _ = write_gateway_config(settings, endpoints, http_endpoints,
-                                             tmp_path / "tls", access_log)
+            config = write_lone_config(settings, folder, [grpc_port], [http.server_address[1]])
+            access_log = folder / "access.log"
             log = tmp_path / "envoy.log"
             envoy: subprocess.Popen[bytes] = spawn(gateway.command(config), log,
                                                    gateway_env(settings, ADMIN_KEY))

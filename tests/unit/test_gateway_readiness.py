@@ -20,14 +20,14 @@ import pytest
 import yaml
 
 from gateway import local as gateway
-from gateway.routes import HTTP_CLUSTER, named
+from gateway.routes import named
 from local_stack.cluster import manifests
 from local_stack.cluster.pods import probe_once
+from local_stack.gateway_config import gateway_env, write_lone_config
 from local_stack.harness import stack_ports_env
 from local_stack.polling import until
 from local_stack.processes import spawn, terminate
 from local_stack.settings import Settings
-from local_stack.stack import gateway_env, write_gateway_config
 
 
 @dataclass
@@ -54,13 +54,7 @@ def gateway_with_a_silent_admin(tmp_path_factory: pytest.TempPathFactory,
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
     silent.listen(64)
-    folder = tmp_path / "gateway"
-    folder.mkdir()
-    endpoints, http_endpoints = folder / "endpoints.json", folder / "endpoints-http.json"
-    gateway.write_endpoints(endpoints, [])
-    gateway.write_endpoints(http_endpoints, [], HTTP_CLUSTER)
-    config_path, _ = write_gateway_config(settings, endpoints, http_endpoints, tmp_path / "tls",
-                                          None)
+    config_path = write_lone_config(settings, tmp_path / "gateway", [], [])
     config = yaml.safe_load(config_path.read_text())
     admin = named(config, "clusters", "envoy-admin")["load_assignment"]["endpoints"][0][
         "lb_endpoints"][0]["endpoint"]["address"]["socket_address"]
