@@ -105,18 +105,32 @@ def gateway_env(s: Settings, admin_key: str) -> dict[str, str]:
     return {**os.environ, **s.admission_env(), **s.front_door_env(), ADMIN_KEY_ENV: admin_key}
 
 
+def write_token_checks(s: Settings, path: Path) -> str | None:
+    """jwt_authn's config (gateway/jwt.py) as JWT_ISSUER, JWT_AUDIENCE and JWKS_FILE or
+    JWKS_URI set it, off without them; the JWKS text written, if any."""
+    if s.jwt is not None and s.jwt.jwks_uri is not None:
+        jwt.write(path, s.jwt)  # Envoy fetches the keys
+        return None
+    if s.jwt is None or s.jwks_file is None:
+        jwt.write(path, None)
+        return None
+    text = s.jwks_file.read_text()
+    jwt.write(path, s.jwt, text)
+    return text
+
+
 def write_lone_config(s: Settings, folder: Path, grpc_ports: list[int], http_ports: list[int],
                       shares: dict[str, int] | None = None) -> Path:
     """An Envoy of its own outside any stack (the tests' and benches'): the config for these
-    settings in `folder`, its Tritons these ports, the token checks off and the tenant shares
-    given (else those of SONIC_RAY_TENANT_SHARES); the config's path."""
+    settings in `folder`, its Tritons these ports, the token checks the settings give and the
+    tenant shares given (else those of SONIC_RAY_TENANT_SHARES); the config's path."""
     folder.mkdir(parents=True, exist_ok=True)
     endpoints, http_endpoints = folder / "endpoints.json", folder / "endpoints-http.json"
     write_endpoints(endpoints, grpc_ports)
     write_endpoints(http_endpoints, http_ports, routes.HTTP_CLUSTER)
     discovered = jwt_folder(endpoints)
     discovered.mkdir(parents=True, exist_ok=True)
-    jwt.write(discovered / jwt.JWT_AUTHN_FILE, None)
+    write_token_checks(s, discovered / jwt.JWT_AUTHN_FILE)
     tenant_shares.write(discovered / tenant_shares.SHARES_FILE,
                         s.tenant_shares() if shares is None else shares)
     path = folder / "envoy.yaml"

@@ -156,16 +156,7 @@ class JwksFollower:
         self._seen: str | None = None
 
     def write(self) -> None:
-        s = self.settings
-        if s.jwt is not None and s.jwt.jwks_uri is not None:
-            jwt.write(self.path, s.jwt)  # Envoy fetches the keys
-            return
-        if s.jwt is None or s.jwks_file is None:
-            jwt.write(self.path, None)
-            return
-        text = s.jwks_file.read_text()
-        jwt.write(self.path, s.jwt, text)
-        self._seen = text
+        self._seen = gateway_config.write_token_checks(self.settings, self.path)
 
     def follow(self) -> None:
         s = self.settings

@@ -5,7 +5,7 @@ a saturated facility refuses calls beyond Triton's queue at once with RESOURCE_E
 retry hint, keeps the admitted calls' latency bounded, and turns new jobs away at
 RepositoryIndex (the start-of-job gate) while saturated and while no Triton is ready; by the
 shipped rule, a stale word of the control plane turns no job away (both rules:
-tests/unit/test_gate_stale_rule.py). The load is make bench's overload cell
+tests/gateway/test_gate_stale_rule.py). The load is make bench's overload cell
 (local_stack/overload.py, which bench/overload.py runs)."""
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Token checks with keys Envoy fetches from the identity provider (`make local JWKS_URI=...
-JWKS_CA_FILE=...`, SONIC_RAY_JWKS_URI in a site; docs/front-door.md), on a stack of its own: an
+JWKS_CA_FILE=...`, SONIC_RAY_JWKS_URI in a site; docs/front-door.md), on a gateway of its own
+(tests/support/lone_gateway.py: the shipped config for these settings, a stand-in Triton): an
 HTTPS JWKS server of the test's own (a CA it made, a certificate for localhost), down when the
-stack starts. While it is unreachable a JWT is refused at once saying the keys could not be
+gateway starts. While it is unreachable a JWT is refused at once saying the keys could not be
 fetched, and a static token still passes; once it answers, tokens signed by its key pass; when
 the provider rotates its key, the new key's tokens pass within the cache time and the old
 key's are refused."""
@@ -22,10 +23,10 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric import rsa
 from jwt.algorithms import RSAAlgorithm
 
-from local_stack.harness import processes_left_behind, running_stack
 from local_stack.polling import until
 from local_stack.ports import free_ports
 from tests.support.echo import infer_with_token
+from tests.support.lone_gateway import lone_gateway
 from tools import certificates
 
 ISSUER = "https://idp.sonic-ray.test"
@@ -104,14 +105,13 @@ def remote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteKeys]:
     tokens_file = folder / "tokens"
     tokens_file.write_text(f"{STATIC}\n")
     try:
-        with running_stack({
+        with lone_gateway(folder / "gateway", {
             "JWKS_URI": f"https://localhost:{port}/keys", "JWKS_CA_FILE": str(files.ca),
             "JWT_ISSUER": ISSUER, "JWT_AUDIENCE": AUDIENCE,
             "SONIC_RAY_JWKS_CACHE_S": str(CACHE_S),
             "SONIC_RAY_AUTH_TOKENS_FILE": str(tokens_file),
-        }) as running:
-            yield RemoteKeys(running.url("GRPC_PORT"), provider, keys)
-        assert not processes_left_behind(running.process)
+        }, ready_headers={"authorization": f"Bearer {STATIC}"}) as running:
+            yield RemoteKeys(running.grpc, provider, keys)
     finally:
         provider.stop()
 
@@ -153,3 +153,7 @@ def test_a_rotated_key_is_used_within_the_cache_time(remote: RemoteKeys) -> None
           f"(cache {CACHE_S}s)")
     outcome = infer_with_token(remote.url, _token(remote, "k1"))
     assert outcome.startswith("StatusCode.UNAUTHENTICATED"), outcome
+
+
+# Every test here starts processes (make unit leaves them out: tests/conftest.py).
+pytestmark = pytest.mark.processes

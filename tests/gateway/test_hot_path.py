@@ -1,0 +1,158 @@
+"""The gateway's hot path (gateway/envoy.yaml, gateway/start.sh): a real Envoy with the shipped
+config as `make local` writes it, in front of a stand-in Triton (gRPC with Triton's own
+protos, and HTTP) that records what reaches it; the thing tested is the config and its Lua.
+
+With nothing configured that checks or names callers, a call other than a job start runs no
+Lua at all (Envoy's counters of each Lua filter's executions), yet the access log still names
+an anonymous caller, its protocol and (HTTP) its model; a job start runs the client checks;
+an error answer, and only that, runs the error answers' Lua, which turns Triton's queue-full
+UNAVAILABLE / 503 into RESOURCE_EXHAUSTED / 429 with a retry hint. With a site's tenants
+configured, every call runs the client checks. A client-sent admin header never reaches
+Triton on any route; the gateway's own reaches it on the routes that carry it."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+import tritonclient.grpc as tc
+from tritonclient.utils import InferenceServerException
+
+from local_stack.polling import until
+from tests.support.lone_gateway import (
+    ADMIN_KEY,
+    ANY,
+    CHECKS,
+    ERRORS,
+    FULL,
+    QUEUE_FULL,
+    LoneGateway,
+    lone_gateway,
+)
+from triton_pod.access import ADMIN_HEADER, HTTP_ADMIN_HEADER
+
+RETRY_AFTER_S = 2
+CALLS = 10
+# Which settings each gateway runs with: nothing that checks or names callers, and a site's
+# tenant map (which names every caller: the checks run on every call).
+SETTINGS = {"nothing-configured": {}, "tenants": {"SONIC_RAY_TENANTS": "cms=*"}}
+
+
+@dataclass
+class Case:
+    lone: LoneGateway
+    # Whether the settings check or name callers (gateway/start.sh: the checks on every call).
+    checked_always: bool
+
+
+@pytest.fixture(scope="module", params=list(SETTINGS))
+def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+         ) -> Iterator[Case]:
+    env = {"SONIC_RAY_RETRY_AFTER_S": str(RETRY_AFTER_S), **SETTINGS[request.param]}
+    checked_always = bool(SETTINGS[request.param])
+    with lone_gateway(tmp_path_factory.mktemp(request.param), env) as running:
+        said = running.log.read_text()
+        assert ("run on every call" if checked_always else "run on job starts only") in said, (
+            said[-2000:])
+        yield Case(running, checked_always)
+
+
+def _infer(client: tc.InferenceServerClient, model: str,
+           headers: dict[str, str] | None = None) -> None:
+    data = tc.InferInput("INPUT0", [1], "INT32")
+    data.set_data_from_numpy(np.array([1], dtype="int32"))
+    client.infer(model, [data], headers=headers)
+
+
+def test_calls_other_than_job_starts_run_no_lua_unless_callers_are_checked(case: Case) -> None:
+    lone = case.lone
+    before = lone.executions()
+    client = tc.InferenceServerClient(lone.grpc)
+    try:
+        for _ in range(CALLS):
+            _infer(client, "simple")
+    finally:
+        client.close()
+    for _ in range(CALLS):
+        status, _, _ = lone.http("/v2/models/simple/infer", b"{}",
+                                         {"content-type": "application/json"})
+        assert status == 200
+    after = lone.executions()
+    # The error answers' Lua never runs on a call that succeeds; the client checks only where
+    # the site checks or names callers.
+    expected = 2 * CALLS if case.checked_always else 0
+    assert after[ANY] - before[ANY] == expected, (before, after)
+    assert after[CHECKS] - before[CHECKS] == expected, (before, after)
+
+    def calls_logged() -> list[dict[str, Any]]:
+        return [line for line in lone.log_lines()
+                if line["path"].endswith(("/ModelInfer", "/simple/infer"))]
+
+    until("the calls' access log lines",
+          lambda: len(calls_logged()) >= 2 * CALLS or len(calls_logged()), 10)
+    lines = calls_logged()
+    tenant = "cms" if case.checked_always else "anonymous"
+    assert {(line["identity"], line["tenant"]) for line in lines} == {("anonymous", tenant)}
+    assert {line["protocol"] for line in lines} == {"grpc", "http"}
+    assert {line["model"] for line in lines if line["protocol"] == "http"} == {"simple"}
+
+
+def test_job_starts_run_the_client_checks(case: Case) -> None:
+    lone = case.lone
+    before = lone.executions()
+    client = tc.InferenceServerClient(lone.grpc)
+    try:
+        assert client.is_server_ready() and client.is_model_ready("simple")
+        client.get_model_repository_index()
+    finally:
+        client.close()
+    assert lone.http("/v2/health/ready")[0] == 200
+    after = lone.executions()
+    assert after[CHECKS] - before[CHECKS] == 4, (before, after)
+
+
+def test_a_client_sent_admin_key_never_reaches_triton(case: Case) -> None:
+    lone = case.lone
+    forged = {ADMIN_HEADER: "forged"}
+    client = tc.InferenceServerClient(lone.grpc)
+    try:
+        _infer(client, "simple", forged)
+        client.get_model_repository_index(headers=forged)
+    finally:
+        client.close()
+    lone.http("/v2/models/simple/infer", b"{}", {HTTP_ADMIN_HEADER: "forged"})
+    lone.http("/v2/repository/index", b"{}", {HTTP_ADMIN_HEADER: "forged"})
+    for path, header in (("/ModelInfer", ADMIN_HEADER), ("/simple/infer", HTTP_ADMIN_HEADER)):
+        assert {h.get(header) for h in lone.seen.headers_of(path)} == {None}, path
+    # The gateway's own key, on the route that carries it, and never the client's.
+    for path, header in (("/RepositoryIndex", ADMIN_HEADER),
+                         ("/v2/repository/index", HTTP_ADMIN_HEADER)):
+        assert {h.get(header) for h in lone.seen.headers_of(path)} == {ADMIN_KEY}, path
+
+
+def test_a_full_queue_is_answered_as_backpressure_by_the_error_answers_alone(case: Case) -> None:
+    lone = case.lone
+    before = lone.executions()
+    client = tc.InferenceServerClient(lone.grpc)
+    try:
+        with pytest.raises(InferenceServerException) as refused:
+            _infer(client, FULL)
+    finally:
+        client.close()
+    assert refused.value.status() == "StatusCode.RESOURCE_EXHAUSTED", refused.value
+    assert QUEUE_FULL in str(refused.value) and f"retry in {RETRY_AFTER_S} s" in str(
+        refused.value)
+    status, headers, body = lone.http(f"/v2/models/{FULL}/infer", b"{}",
+                                              {"content-type": "application/json"})
+    assert (status, headers.get("retry-after")) == (429, str(RETRY_AFTER_S)), (status, headers)
+    assert QUEUE_FULL in json.loads(body)["error"]
+    after = lone.executions()
+    assert after[ERRORS] - before[ERRORS] == 2, (before, after)
+
+
+# Every test here starts processes (make unit leaves them out: tests/conftest.py).
+pytestmark = pytest.mark.processes
