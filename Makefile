@@ -11,7 +11,7 @@ KUBECTLS := $(VENV)/bin/kubectl $(wildcard /usr/bin/kubectl)
 # schema/check.py (DEFAULT_KUBERNETES_VERSION).
 CHECK := $(PY) -m schema.check
 
-.PHONY: venv test unit lint local cluster cluster-tools observe bench bench-node validate check check-cluster-crd prewarm schemas gateway-config observability generate prometheus lock clean
+.PHONY: venv test unit gateway-tests lint local cluster cluster-tools observe bench bench-node validate check check-cluster-crd prewarm schemas gateway-config observability generate prometheus lock clean
 
 venv: $(VENV)/.installed
 
@@ -28,6 +28,10 @@ test: venv prometheus cluster-tools lint
 # starts one unmarked fails here: tests/conftest.py).
 unit: venv
 	SONIC_RAY_UNIT=1 $(PY) -m pytest -m "not stack and not processes" -q
+
+# The gateway tier: one Envoy with the shipped config before a stand-in Triton (tests/gateway/).
+gateway-tests: venv
+	$(PY) -m pytest -q tests/gateway
 
 lint: venv
 	$(PY) -m ruff check serve tests schema gateway tools bench local_stack observability
