@@ -36,6 +36,8 @@ from tests.support.lone_gateway import (
 from triton_pod.access import ADMIN_HEADER, HTTP_ADMIN_HEADER
 
 RETRY_AFTER_S = 2
+# The gateway's words when no Triton is ready (gateway/gate.lua).
+NO_TRITON = "no Triton is ready behind this endpoint, and no GPU pod is starting"
 CALLS = 10
 # Which settings each gateway runs with: nothing that checks or names callers, and a site's
 # tenant map (which names every caller: the checks run on every call).
@@ -152,6 +154,54 @@ def test_a_full_queue_is_answered_as_backpressure_by_the_error_answers_alone(cas
     assert QUEUE_FULL in json.loads(body)["error"]
     after = lone.executions()
     assert after[ERRORS] - before[ERRORS] == 2, (before, after)
+
+
+def test_no_triton_ready_is_said_with_when_to_retry_by_the_error_answers_alone(
+        case: Case) -> None:
+    """Envoy's own answer when discovery lists no Triton (UH), rewritten by the error answers:
+    the words and retry hints of gateway/gate.lua (the control plane silent here: no GPU pod is
+    said to be starting)."""
+    lone = case.lone
+    client = tc.InferenceServerClient(lone.grpc)
+    lone.list_triton(False)
+    try:
+        def none_ready() -> object:
+            try:
+                _infer(client, "simple")
+            except InferenceServerException as error:
+                return error.status() == "StatusCode.UNAVAILABLE" or str(error)
+            return "still carried to the stand-in"
+
+        until("the gateway to have no Triton", none_ready, 10)
+        before = lone.executions()
+        with pytest.raises(InferenceServerException) as refused:
+            _infer(client, "simple")
+        status, headers, body = lone.http("/v2/models/simple/infer", b"{}",
+                                          {"content-type": "application/json"})
+        after = lone.executions()
+    finally:
+        lone.list_triton(True)
+        client.close()
+    said = str(refused.value)
+    assert refused.value.status() == "StatusCode.UNAVAILABLE", said
+    assert NO_TRITON in said and f"retry in about {RETRY_AFTER_S} s" in said, said
+    assert (status, headers.get("retry-after")) == (503, str(RETRY_AFTER_S)), (status, headers)
+    assert NO_TRITON in json.loads(body)["error"], body
+    assert after[ERRORS] - before[ERRORS] == 2, (before, after)
+    # Inference calls: the client checks' Lua only where callers are checked.
+    assert after[CHECKS] - before[CHECKS] == (2 if case.checked_always else 0), (before, after)
+    until("the stand-in Triton back in rotation", lambda: _carried(lone), 15)
+
+
+def _carried(lone: LoneGateway) -> object:
+    client = tc.InferenceServerClient(lone.grpc)
+    try:
+        _infer(client, "simple")
+        return True
+    except InferenceServerException as error:
+        return str(error)
+    finally:
+        client.close()
 
 
 # Every test here starts processes (make unit leaves them out: tests/conftest.py).

@@ -27,6 +27,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from gateway import local as gateway
+from gateway.routes import HTTP_CLUSTER
 from local_stack.gateway_config import gateway_env, write_lone_config
 from local_stack.harness import stack_ports_env
 from local_stack.polling import until
@@ -119,6 +120,15 @@ class LoneGateway:
     seen: Seen
     folder: Path
     log: Path
+    # The stand-in Triton's ports (gRPC, HTTP).
+    upstream: tuple[int, int]
+
+    def list_triton(self, listed: bool) -> None:
+        """The stand-in Triton in the gateway's discovery, or out of it (no Triton ready), as
+        the headless Service lists a pod or not."""
+        grpc_ports, http_ports = ([self.upstream[0]], [self.upstream[1]]) if listed else ([], [])
+        gateway.write_endpoints(self.folder / "endpoints.json", grpc_ports)
+        gateway.write_endpoints(self.folder / "endpoints-http.json", http_ports, HTTP_CLUSTER)
 
     @property
     def grpc(self) -> str:
@@ -201,7 +211,7 @@ def lone_gateway(folder: Path, env: dict[str, str],
             envoy: subprocess.Popen[bytes] = spawn(gateway.command(config), log,
                                                    gateway_env(settings, ADMIN_KEY))
         stack.callback(terminate, envoy, 5)
-        lone = LoneGateway(settings, seen, folder, log)
+        lone = LoneGateway(settings, seen, folder, log, (grpc_port, http.server_address[1]))
         until("Envoy to carry calls to the stand-in Triton",
               lambda: _carries_calls(lone, envoy, ready_headers), 30)
         yield lone
