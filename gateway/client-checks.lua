@@ -31,7 +31,7 @@
 --
 -- Who called (docs/front-door.md): each call's identity (`token:<name>`, `jwt:<sub>`,
 -- `cert:<subject>` or `anonymous`) and tenant go into its metadata (`sonic-ray`: identity,
--- tenant, protocol, model), which the access log and the per-tenant counters of envoy.yaml
+-- tenant, protocol; the model Envoy's own header_to_metadata), which the access log and the per-tenant counters of envoy.yaml
 -- read; nothing of it is passed to Triton. The tenant: the JWT claim SONIC_RAY_TENANT_CLAIM names, else the
 -- first SONIC_RAY_TENANTS entry (";"-separated `tenant=pattern`, "*" any run of characters)
 -- whose pattern matches the identity, else a static token's name, else "other" ("anonymous"
@@ -155,12 +155,6 @@ local function tenant_of(identity, payload, token_name)
   if token_name ~= nil then return token_name end
   if identity == "anonymous" then return "anonymous" end
   return "other"
-end
-
--- Triton's HTTP paths that name a model (/v2/models/<name>[/versions/<v>]/...); gRPC carries
--- the model in the message body, which the gateway does not read.
-local function model_of(request_path)
-  return request_path and request_path:match("^/v2/models/([^/?]+)") or nil
 end
 
 -- Fair share per tenant (gateway/tenant_shares.py: Envoy's local_ratelimit enforces it from
@@ -332,13 +326,9 @@ local function check_credentials(handle)
 end
 
 function envoy_on_request(handle)
-  local headers = handle:headers()
-  -- Only the gateway's own routes may send Triton's admin key.
-  headers:remove("triton-grpc-protocol-sonic-ray-admin")
-  headers:remove("sonic-ray-admin")
-  local request_path = headers:get(":path")
-  local model = model_of(request_path)
-  if model ~= nil then handle:streamInfo():dynamicMetadata():set("sonic-ray", "model", model) end
+  -- The admin headers are removed, and an HTTP call's model recorded, by Envoy's own
+  -- filters before this one (gateway/envoy.yaml), on every call.
+  local request_path = handle:headers():get(":path")
   -- Who calls: the certificate's subject, unless a bearer credential names someone.
   local subject = peer_subject(handle)
   local caller = {identity = subject and ("cert:" .. subject) or "anonymous"}
