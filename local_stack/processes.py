@@ -136,6 +136,22 @@ def kill_session(sid: int, sig: signal.Signals = signal.SIGKILL) -> None:
             os.kill(pid, sig)
 
 
+# A SIGKILLed process keeps its memory mapped until the kernel has torn it down, some
+# milliseconds after the signal; a region freed before then looks mapped and stays.
+SESSION_END_S = 10.0
+
+
+def end_session(sid: int) -> None:
+    """SIGKILL to a session, then waits (at most SESSION_END_S) until none of it runs: what is
+    left is a zombie (state Z), which maps nothing."""
+    kill_session(sid)
+    deadline = time.monotonic() + SESSION_END_S
+    while any(fields[0] != "Z" for fields in session_members(sid).values()):
+        if time.monotonic() > deadline:
+            return
+        time.sleep(0.02)
+
+
 def terminate(process: subprocess.Popen[bytes], grace_s: float) -> None:
     """SIGTERM to the child's whole session (Ray's workers are in groups of their own), then
     SIGKILL to whatever of it is left."""
@@ -188,7 +204,7 @@ class Supervisor:
             code = self._process.wait()
             # Helpers outlive a killed parent (Triton's python stubs); a container's all go,
             # and its shared memory with them.
-            kill_session(self._process.pid)
+            end_session(self._process.pid)
             free_orphaned_regions()
             if self._stopping.is_set():
                 return
