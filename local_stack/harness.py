@@ -48,7 +48,8 @@ def stack_ports_env() -> dict[str, str]:
     ports = {name: str(port) for name, port in zip(names, free_ports(len(names)), strict=True)}
     # Triton i of a stack listens on each base port + 10 i: blocks of 10 ports, one per pod.
     triton = free_port_range(POD_PORT_STEP * MAX_PODS)
-    for offset, name in enumerate(("TRITON_HTTP_PORT", "TRITON_GRPC_PORT", "TRITON_METRICS_PORT")):
+    for offset, name in enumerate(("TRITON_HTTP_PORT", "TRITON_GRPC_PORT", "TRITON_METRICS_PORT",
+                                   "POD_READY_PORT")):
         ports[name] = str(triton + offset)
     # Direct-ingress replicas' own servers, a range per stack: gRPC binds with SO_REUSEPORT, so
     # two stacks' replicas on one port would silently share its connections.
@@ -251,11 +252,14 @@ def listening_ports() -> set[int]:
 
 def serve_config_with(directory: Path, deployment: dict[str, Any] | None = None,
                       autoscaling: dict[str, Any] | None = None,
-                      policy_kwargs: dict[str, Any] | None = None) -> Path:
-    """serve/serve-config.yaml with some settings of its one deployment changed, written into
-    `directory`: the tests' Serve configs are derived from the real one, never copied."""
+                      policy_kwargs: dict[str, Any] | None = None,
+                      args: dict[str, Any] | None = None) -> Path:
+    """serve/serve-config.yaml with some settings of its one deployment (and of its
+    application's `args`) changed, written into `directory`: the tests' Serve configs are
+    derived from the real one, never copied."""
     config = yaml.safe_load(DEFAULT_CONFIG.read_text())
     (app,) = config["applications"]
+    app["args"].update(args or {})
     (settings,) = app["deployments"]
     settings.update(deployment or {})
     settings["autoscaling_config"].update(autoscaling or {})

@@ -28,6 +28,7 @@ from triton_pod.pod import (
     TRITON_HTTP_ADDRESS_ENV,
     TRITON_METRICS_URL_ENV,
 )
+from triton_pod.pod_ready import POD_READY_PORT_ENV
 
 RAY_ENV_FILE = SERVE_DIR / "ray-env.env"
 APP = "triton"
@@ -100,7 +101,8 @@ def start_pod_node(settings: Settings, index: int, workdir: Path,
     env = {**_environment(settings, workdir, admin_key),
            TRITON_ADDRESS_ENV: f"localhost:{triton.grpc}",
            TRITON_HTTP_ADDRESS_ENV: f"localhost:{triton.http}",
-           TRITON_METRICS_URL_ENV: f"http://localhost:{triton.metrics}/metrics"}
+           TRITON_METRICS_URL_ENV: f"http://localhost:{triton.metrics}/metrics",
+           POD_READY_PORT_ENV: str(settings.pod_ready_port(index))}
     cmd = [
         str(ray), "start", "--block", "--disable-usage-stats",
         f"--address=127.0.0.1:{settings.gcs_port}",

@@ -162,6 +162,9 @@ class Settings:
     observe: bool
     prometheus_port: int
     triton_base: TritonPorts
+    # Where pod i's replica answers the pod's readiness (Triton ready, models warm), as the
+    # Triton container's readinessProbe asks it in the cluster: + POD_PORT_STEP * i.
+    pod_ready_base: int
     gcs_port: int
     dashboard_port: int
     serve_config: Path
@@ -191,6 +194,10 @@ class Settings:
         step = POD_PORT_STEP * index
         base = self.triton_base
         return TritonPorts(base.http + step, base.grpc + step, base.metrics + step)
+
+    def pod_ready_port(self, index: int) -> int:
+        """Where simulated pod `index`'s replica answers the pod's readiness."""
+        return self.pod_ready_base + POD_PORT_STEP * index
 
     @property
     def client_port_owner(self) -> str:
@@ -248,6 +255,7 @@ class Settings:
                 grpc=int_env(env, "TRITON_GRPC_PORT", 8101),
                 metrics=int_env(env, "TRITON_METRICS_PORT", 8102),
             ),
+            pod_ready_base=int_env(env, "POD_READY_PORT", 8103),
             gcs_port=int_env(env, "RAY_GCS_PORT", 6379),
             dashboard_port=int_env(env, "RAY_DASHBOARD_PORT", 8265),
             serve_config=config,
@@ -320,6 +328,7 @@ class Settings:
             "TRITON_HTTP_PORT": self.triton_base.http,
             "TRITON_GRPC_PORT": self.triton_base.grpc,
             "TRITON_METRICS_PORT": self.triton_base.metrics,
+            "POD_READY_PORT": self.pod_ready_base,
             "GATEWAY_METRICS_PORT": self.gateway_metrics_port,
             "GATEWAY_ADMIN_PORT": self.gateway_admin_port,
             "ADMISSION_PORT": self.admission_port,
@@ -337,7 +346,7 @@ class Settings:
         found = set(self.port_variables().values())
         for i in range(self.tritons):
             t = self.triton(i)
-            found |= {t.http, t.grpc, t.metrics}
+            found |= {t.http, t.grpc, t.metrics, self.pod_ready_port(i)}
         for protocol in ("HTTP", "GRPC"):
             low = env.get(f"RAY_SERVE_DIRECT_INGRESS_MIN_{protocol}_PORT", "")
             high = env.get(f"RAY_SERVE_DIRECT_INGRESS_MAX_{protocol}_PORT", "")
@@ -360,7 +369,8 @@ class Settings:
             triton = self.triton(index)
             ports |= {f"TRITON_HTTP_PORT (pod {index})": triton.http,
                       f"TRITON_GRPC_PORT (pod {index})": triton.grpc,
-                      f"TRITON_METRICS_PORT (pod {index})": triton.metrics}
+                      f"TRITON_METRICS_PORT (pod {index})": triton.metrics,
+                      f"POD_READY_PORT (pod {index})": self.pod_ready_port(index)}
         seen: dict[int, str] = {}
         for name, port in ports.items():
             if port in seen:

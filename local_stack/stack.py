@@ -3,7 +3,8 @@ machine, run with the same Serve and Envoy configs as the cluster, until Ctrl-C 
 
 Environment: DATA_PATH (gateway | serve), TRITONS (simulated pods, 1), MODEL_REPOSITORY,
 GRPC_PORT / HTTP_PORT (8001 / 8000, the clients' endpoints), TRITON_HTTP_PORT / TRITON_GRPC_PORT /
-TRITON_METRICS_PORT (8100 / 8101 / 8102, plus 10 per further pod), SERVE_GRPC_PORT (9000,
+TRITON_METRICS_PORT / POD_READY_PORT (8100 / 8101 / 8102 / 8103, plus 10 per further pod),
+SERVE_GRPC_PORT (9000,
 gateway path), SERVE_HTTP_PORT (9080, gateway path), GATEWAY_METRICS_PORT (9902), GATEWAY_ADMIN_PORT
 (9901, loopback), OBSERVE (1: a Prometheus scraping the stack, make observe) and
 PROMETHEUS_PORT (9090), RAY_GCS_PORT (6379), RAY_DASHBOARD_PORT (8265), SERVE_CONFIG, TRITON_ARGS,
@@ -62,9 +63,12 @@ from local_stack.processes import (
 from local_stack.settings import Settings
 from tools import certificates
 from triton_pod.access import ADMIN_KEY_ENV, TokenCheck
+from triton_pod.pod_ready import READY_PATH
 from triton_pod.rpcs import SERVICE
 
 READY_TIMEOUT_S = 600.0
+# The Triton container's readinessProbe timeoutSeconds (base/rayservice.yaml).
+POD_READY_TIMEOUT_S = 2.0
 
 
 # Every line the stack prints starts so; the `ready` line (READY) is the contract that `make
@@ -194,10 +198,24 @@ def write_gateway_config(s: Settings, endpoints_file: Path, http_endpoints_file:
     return config_path, jwks
 
 
+def pod_ready(port: int) -> Any:
+    """True while a pod's replica answers its readiness (Triton ready, models warm: the Triton
+    container's readinessProbe in the cluster, serve/triton_pod/pod_ready.py), else why not."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{READY_PATH}",
+                                    timeout=POD_READY_TIMEOUT_S) as response:
+            return True if response.status == 200 else f"HTTP {response.status}"
+    except urllib.error.HTTPError as error:
+        return error.read().decode(errors="replace").strip() or f"HTTP {error.code}"
+    except (urllib.error.URLError, OSError) as error:
+        return f"no answer ({error})"
+
+
 class Discovery:
     """Gateway path: which Tritons Envoy may call, rewritten as pods become ready or go.
-    A pod is listed while its Triton is ready, Serve runs a replica on its node and it is not
-    being deleted: what the headless Service `triton-pods` lists in the cluster."""
+    A pod is listed while its replica says it is ready (its Triton ready, its models warm), Serve
+    runs that replica and the pod is not being deleted: what the headless Service `triton-pods`
+    lists in the cluster."""
 
     def __init__(self, stack: LocalStack) -> None:
         self._stack = stack
@@ -205,10 +223,7 @@ class Discovery:
         self.http_path = stack.workdir / "gateway" / "endpoints-http.json"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.listed: set[int] = set()
-        # Polled twice a second: one channel per Triton, and each replica process's Triton
-        # read from its environment once.
-        self._channels = {i: grpc.insecure_channel(f"localhost:{stack.settings.triton(i).grpc}")
-                          for i in range(stack.settings.tritons)}
+        # Polled twice a second: each replica process's Triton read from its environment once.
         self._pod_of_pid: dict[int, int | None] = {}
         self._replica_pods: set[int] = set()
         self._unanswered = False
@@ -224,8 +239,6 @@ class Discovery:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=10)
-        for channel in self._channels.values():
-            channel.close()
 
     def replica_pods(self) -> set[int]:
         """The pods where Serve runs a replica now (the autoscaler's view too). While the
@@ -265,7 +278,7 @@ class Discovery:
             with_replica = self.replica_pods()
             ready = {i for i in with_replica
                      if not self._stack.tritons[i].retiring
-                     and server_ready(s.triton(i).grpc, channel=self._channels[i]) is True}
+                     and pod_ready(s.pod_ready_port(i)) is True}
             if ready != self.listed:
                 gateway.write_endpoints(self.path, [s.triton(i).grpc for i in ready])
                 gateway.write_endpoints(self.http_path, [s.triton(i).http for i in ready],

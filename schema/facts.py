@@ -50,7 +50,9 @@ from triton_pod.admission import PORT_ENV as ADMISSION_PORT_ENV
 from triton_pod.admission import SATURATED_ENV
 from triton_pod.autoscaling import TritonQueueTimePolicy
 from triton_pod.pod import TritonPodArgs
+from triton_pod.pod_ready import READY_PATH
 from triton_pod.prewarm import CONFIG_MAP as PREWARM_CONFIG_MAP
+from triton_pod.warmup import WarmupArgs
 
 TRITON_RESOURCE = "triton"
 GPU_RESOURCE = re.compile(r"^nvidia\.com/(gpu|mig-.+)$")
@@ -496,6 +498,13 @@ def _admission_facts(facts: Facts, deployment: dict[str, Any], envoy: dict[str, 
               f"{where} and spec.rayClusterConfig.headGroupSpec containers[0].envFrom")
     source = f"ConfigMap {name}"
     facts.put("admissionSettings", admission_settings(settings), source)
+    app, _, app_path = triton_app(serve_config)
+    warmup = ((app.get("args") or {}).get("warmup") or {})
+    facts.put("warmupMinusGpuPodStart",
+              _diff(_number(warmup.get("timeout_s", WarmupArgs.model_fields["timeout_s"].default)),
+                    _number(settings.get(GATE_SETTINGS["gpuPodStartS"]))),
+              f"{app_path}.args.warmup.timeout_s minus {source} "
+              f"{GATE_SETTINGS['gpuPodStartS']}")
     limit = str(settings.get(SATURATED_ENV, "")).strip()
     _, forwarder, app_path = triton_app(serve_config)
     kwargs = policy_kwargs(forwarder)
@@ -527,6 +536,7 @@ class _Serve:
     max_replicas: Any
     graceful_s: Any
     ready_timeout_s: Any
+    ready_port: Any
     config: dict[str, Any]
 
 
@@ -621,6 +631,7 @@ def _serve_facts(facts: Facts, spec: dict[str, Any]) -> _Serve:
         max_replicas=max_replicas,
         graceful_s=_int(deployment.get("graceful_shutdown_timeout_s", 20)),
         ready_timeout_s=_int(args.get("ready_timeout_s", defaults["ready_timeout_s"].default)),
+        ready_port=_int(args.get("ready_port", defaults["ready_port"].default)),
         config=config,
     )
 
@@ -813,6 +824,13 @@ def _triton_facts(facts: Facts, group_path: str, group: dict[str, Any],
     startup_s = _int(probe.get("failureThreshold", 3)) * _int(probe.get("periodSeconds", 10))
     facts.append("readyTimeoutMinusTritonStartup", _diff(serve.ready_timeout_s, startup_s),
                  f"{serve.app_path}.args.ready_timeout_s")
+    readiness = (container.get("readinessProbe") or {}).get("httpGet") or {}
+    asked = f"{readiness.get('port')}{readiness.get('path', '')}"
+    facts.append("tritonReadinessNotWarm",
+                 "" if readiness and asked == f"{serve.ready_port}{READY_PATH}"
+                 else f"readinessProbe asks {asked if readiness else 'no HTTP path'}, not "
+                      f"{serve.ready_port}{READY_PATH} ({serve.app_path}.args.ready_port)",
+                 f"{where}.readinessProbe")
     prestop = _prestop_waits(container)
     facts.append("graceMinusTritonExitTimeout",
                  _diff(grace, flag("exit-timeout-secs") + prestop.get("max", 0)),

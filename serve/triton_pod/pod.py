@@ -10,22 +10,27 @@ replica only steers; on the Serve path it also forwards each call to its pod's T
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import time
 from typing import Any
 
+import aiohttp
 import grpc
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ray import serve
+from ray.util.metrics import Counter, Gauge
 from starlette.requests import Request
 from starlette.responses import Response
 
-from .access import TokenCheck, admin_key
+from .access import HTTP_ADMIN_HEADER, TokenCheck, admin_key
 from .grpc_forwarding import MAX_MESSAGE_BYTES, GrpcForwarding, install_rpc_methods
 from .http_forwarding import HttpForwarder
+from .pod_ready import POD_READY_PORT_ENV, TRITON_CHECK_S, PodReadiness
 from .rpcs import BY_NAME, REFUSABLE, RPCS
 from .triton_metrics import QUEUE_METRIC, QueueTime, scrape
+from .warmup import WarmupArgs, WarmupError, warm_up
 
 logger = logging.getLogger("ray.serve")
 
@@ -63,6 +68,12 @@ class TritonPodArgs(BaseModel):
         5.0, gt=0, description="deadline of the ServerLive call of each health check"
     )
     max_message_bytes: int = Field(MAX_MESSAGE_BYTES, gt=0, le=MAX_MESSAGE_BYTES)
+    ready_port: int = Field(
+        8103, gt=0, lt=65536,
+        description="where the pod's readiness (Triton ready, models warm) answers: the "
+                    "Triton container's readinessProbe (pod_ready.py)")
+    warmup: WarmupArgs = Field(default_factory=WarmupArgs,
+                               description="the models' warm-up before the pod joins (warmup.py)")
 
     @field_validator("allowed_admin_rpcs")
     @classmethod
@@ -108,7 +119,116 @@ class TritonPod(GrpcForwarding):
         self._admin_key = admin_key()
         self._http = HttpForwarder(args.triton_http_address, self._allowed, self._tokens,
                                    self._admin_key)
+        self._readiness = PodReadiness(self._triton_ready)
+        self._warmup_seconds = Gauge(
+            "sonic_ray_warmup_seconds", "Seconds the last warm-up of a model took on this pod",
+            tag_keys=("model",))
+        self._warmup_pod_seconds = Gauge(
+            "sonic_ray_warmup_pod_seconds", "Seconds the last warm-up of this pod took")
+        self._warmup_failures = Counter(
+            "sonic_ray_warmup_failures", "Warm-ups of a model that failed or ran out of time",
+            tag_keys=("model",))
+        self._warm_failed: str | None = None
+        await self._readiness.start(int(os.environ.get(POD_READY_PORT_ENV) or args.ready_port))
         await self._wait_for_triton()
+        await self._warm()
+        self._watch = asyncio.get_running_loop().create_task(self._watch_triton())
+
+    async def _triton_ready(self) -> str | None:
+        try:
+            reply = await self._unary["ServerReady"](b"", timeout=TRITON_CHECK_S)
+        except grpc.aio.AioRpcError as error:
+            return f"Triton: {error.code().name}: {error.details()}"
+        return None if reply == b"\x08\x01" else "Triton answers ready=false"
+
+    async def _post(self, path: str, body: bytes, header_length: int | None,
+                    timeout_s: float) -> tuple[int, bytes]:
+        headers = {"Content-Type": "application/octet-stream" if header_length is not None
+                   else "application/json"}
+        if header_length is not None:
+            headers["Inference-Header-Content-Length"] = str(header_length)
+        return await self._request("POST", path, body, headers, timeout_s)
+
+    async def _request(self, method: str, path: str, body: bytes | None,
+                       headers: dict[str, str], timeout_s: float) -> tuple[int, bytes]:
+        url = f"http://{self._args.triton_http_address}{path}"
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        async with aiohttp.ClientSession(timeout=timeout) as session, session.request(
+                method, url, data=body, headers=headers) as response:
+            return response.status, await response.read()
+
+    async def _config(self, model: str) -> dict[str, Any]:
+        status, body = await self._request("GET", f"/v2/models/{model}/config", None, {},
+                                           self._args.warmup.call_timeout_s)
+        if status != 200:
+            raise RuntimeError(f"its config: Triton answered {status}: {body[:300]!r}")
+        config: dict[str, Any] = json.loads(body)
+        return config
+
+    async def _ready_models(self) -> list[str]:
+        headers = {"Content-Type": "application/json"}
+        if self._admin_key:
+            headers[HTTP_ADMIN_HEADER] = self._admin_key
+        status, body = await self._request("POST", "/v2/repository/index", b'{"ready": true}',
+                                           headers, self._args.warmup.call_timeout_s)
+        if status != 200:
+            raise RuntimeError(f"Triton's repository index answered {status}: {body[:300]!r}")
+        return sorted({str(entry["name"]) for entry in json.loads(body)
+                       if entry.get("state", "READY") == "READY"})
+
+    def _report(self, model: str, seconds: float | None, error: str | None) -> None:
+        if seconds is not None:
+            self._warmup_seconds.set(seconds, tags={"model": model})
+        if error is not None:
+            self._warmup_failures.inc(tags={"model": model})
+
+    async def _warm(self) -> None:
+        """Warms the ready models (warmup.py); the pod answers ready only after it. Raises
+        WarmupError under `on_failure: fail`: Serve starts another replica."""
+        self._readiness.warm = False
+        self._readiness.reason = "its models are warming up"
+        started = time.monotonic()
+        if not self._args.warmup.enabled:
+            logger.info("warm-up: turned off by the site (args.warmup.enabled)")
+            self._readiness.warm = True
+            return
+        try:
+            models = await self._ready_models()
+        except (aiohttp.ClientError, TimeoutError, RuntimeError, ValueError) as error:
+            message = f"warm-up: the ready models could not be listed: {error}"
+            logger.error("%s", message)
+            self._warmup_failures.inc(tags={"model": ""})
+            if self._args.warmup.on_failure == "fail":
+                raise WarmupError(message) from error
+            models = []
+        outcome = await warm_up(models, self._config, self._post, self._args.warmup,
+                                self._report)
+        self._warmup_pod_seconds.set(time.monotonic() - started)
+        logger.info("Triton at %s: %s", self._args.triton_address, outcome.line())
+        self._readiness.warm = True
+
+    async def _watch_triton(self) -> None:
+        """A Triton that was not ready (restarted, reloading) has cold models again: the pod
+        stays unready until they are warmed once more."""
+        while True:
+            await asyncio.sleep(1.0)
+            why = await self._triton_ready()
+            if why is not None:
+                if self._readiness.warm:
+                    logger.warning("Triton at %s is not ready (%s): its models will be "
+                                   "warmed again before the pod takes calls",
+                                   self._args.triton_address, why)
+                self._readiness.warm = False
+                self._readiness.reason = why
+                continue
+            if not self._readiness.warm and self._warm_failed is None:
+                try:
+                    await self._warm()
+                except WarmupError as error:
+                    self._warm_failed = str(error)
+                    self._readiness.reason = self._warm_failed
+                except (aiohttp.ClientError, TimeoutError, RuntimeError, ValueError) as error:
+                    logger.warning("warm-up after Triton's restart: %s; trying again", error)
 
     async def _wait_for_triton(self) -> None:
         address = self._args.triton_address
@@ -142,7 +262,10 @@ class TritonPod(GrpcForwarding):
         return await self._http.forward(request)
 
     async def check_health(self) -> None:
-        """Serve's health check: a Triton that does not answer ServerLive fails the replica."""
+        """Serve's health check: a Triton that does not answer ServerLive fails the replica,
+        as does a warm-up after a Triton restart that failed under `on_failure: fail`."""
+        if self._warm_failed is not None:
+            raise RuntimeError(self._warm_failed)
         try:
             reply = await self._unary["ServerLive"](b"", timeout=self._args.health_timeout_s)
         except grpc.aio.AioRpcError as error:

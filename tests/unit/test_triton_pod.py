@@ -16,16 +16,22 @@ import pytest
 from ray.serve._private.grpc_util import gRPCGenericServer
 from ray.serve._private.proxy_request_response import gRPCStreamingType
 
+from local_stack.ports import free_ports
 from triton_pod.grpc_forwarding import StreamEndedError
 from triton_pod.pod import TritonPod, TritonPodArgs
 from triton_pod.rpcs import BY_NAME
 from triton_pod.servicer import TIMEOUT_KEY, add_triton_servicer
+from triton_pod.warmup import WarmupArgs
 
 READY = b"\x08\x01"
 
 
 async def started_forwarder(args: TritonPodArgs) -> TritonPod:
-    """A forwarder constructed as Serve does it: the async constructor awaited."""
+    """A forwarder constructed as Serve does it: the async constructor awaited; its pod's
+    readiness on a free port, and no warm-up (the stand-in Triton has no HTTP API)."""
+    (ready_port,) = free_ports(1)
+    args = args.model_copy(update={"ready_port": ready_port,
+                                   "warmup": WarmupArgs(enabled=False)})
     forwarder = TritonPod.__new__(TritonPod)
     await TritonPod.__init__(forwarder, args)
     return forwarder
