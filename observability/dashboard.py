@@ -95,6 +95,12 @@ PANELS: tuple[Panel, ...] = (
         "One replica per GPU pod: wanted above target means max_replicas holds it back; the "
         "pre-warm floor is an operator's request of at least that many until its time "
         "(docs/operations.md, Pre-warming)."),
+    Panel("Scaling", "Warm-up before a pod joins", "s", (
+        ("max by (instance) (ray_sonic_ray_warmup_pod_seconds)", "{{instance}} all models"),
+        ("max by (model) (ray_sonic_ray_warmup_seconds)", "{{model}} (slowest pod)"),
+        ("sum by (model) (ray_sonic_ray_warmup_failures_total)", "{{model}} failed (count)")),
+        "Seconds each pod spent warming its models after Triton was ready, before it joined "
+        "the rotation, and warm-ups that failed (docs/operations.md, Warm-up)."),
     Panel("Scaling", "GPU pods in the Ray cluster", "short", (
         ('sum (ray_resources{Name="triton"})', "pods with a triton resource"),),
         "Worker pods that joined the Ray cluster (each advertises one `triton` resource)."),
