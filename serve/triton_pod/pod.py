@@ -39,6 +39,7 @@ logger = logging.getLogger("ray.serve")
 TRITON_ADDRESS_ENV = "SONIC_RAY_TRITON_ADDRESS"
 TRITON_HTTP_ADDRESS_ENV = "SONIC_RAY_TRITON_HTTP_ADDRESS"
 TRITON_METRICS_URL_ENV = "SONIC_RAY_TRITON_METRICS_URL"
+GAUGES_AGAIN_S = 10.0
 
 
 class TritonPodArgs(BaseModel):
@@ -129,6 +130,8 @@ class TritonPod(GrpcForwarding):
             "sonic_ray_warmup_failures", "Warm-ups of a model that failed or ran out of time",
             tag_keys=("model",))
         self._warm_failed: str | None = None
+        # The last warm-up's gauges, recorded again now and then (GAUGES_AGAIN_S).
+        self._gauges: dict[str | None, float] = {}
         await self._readiness.start(int(os.environ.get(POD_READY_PORT_ENV) or args.ready_port))
         await self._wait_for_triton()
         await self._warm()
@@ -178,6 +181,7 @@ class TritonPod(GrpcForwarding):
 
     def _report(self, model: str, seconds: float | None, error: str | None) -> None:
         if seconds is not None:
+            self._gauges[model] = seconds
             self._warmup_seconds.set(seconds, tags={"model": model})
         if error is not None:
             self._warmup_failures.inc(tags={"model": model})
@@ -203,15 +207,30 @@ class TritonPod(GrpcForwarding):
             models = []
         outcome = await warm_up(models, self._config, self._post, self._args.warmup,
                                 self._report)
-        self._warmup_pod_seconds.set(time.monotonic() - started)
+        self._gauges[None] = time.monotonic() - started
+        self._record_gauges()
         logger.info("Triton at %s: %s", self._args.triton_address, outcome.line())
         self._readiness.warm = True
 
+    def _record_gauges(self) -> None:
+        for model, seconds in self._gauges.items():
+            if model is None:
+                self._warmup_pod_seconds.set(seconds)
+            else:
+                self._warmup_seconds.set(seconds, tags={"model": model})
+
     async def _watch_triton(self) -> None:
         """A Triton that was not ready (restarted, reloading) has cold models again: the pod
-        stays unready until they are warmed once more."""
+        stays unready until they are warmed once more. Records the last warm-up's gauges
+        again every GAUGES_AGAIN_S: a gauge set once is gone from Ray's export when a replica in
+        the same node is replaced (seen: every warm-up series absent 15 s after a SIGKILLed
+        replica's successor warmed; tests/stack/test_observability.py's serve path)."""
+        recorded = time.monotonic()
         while True:
             await asyncio.sleep(1.0)
+            if time.monotonic() - recorded >= GAUGES_AGAIN_S:
+                self._record_gauges()
+                recorded = time.monotonic()
             why = await self._triton_ready()
             if why is not None:
                 if self._readiness.warm:
