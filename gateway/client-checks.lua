@@ -39,7 +39,6 @@
 local gate = require("gate")
 local GRPC_CODES = gate.GRPC_CODES
 local setting = gate.setting
-local number_setting = gate.number_setting
 local GATE_STATUS = gate.GATE_STATUS
 local RETRY_AFTER_S = gate.RETRY_AFTER_S
 local HOLD_S = gate.HOLD_S

@@ -1,5 +1,6 @@
 """One call to the echo_headers test model (tests/models) and its outcome as a string: what the
-credential tests (test_token_auth.py, test_jwt.py) compare."""
+credential tests (tests/stack/test_token_auth.py, tests/gateway/test_jwt.py) compare; the
+gateway tier's stand-in Triton answers it too."""
 
 from __future__ import annotations
 

@@ -1,7 +1,9 @@
-"""OIDC / WLCG tokens at the gateway end to end: a stack of its own started as `make local
-JWKS_FILE=... JWT_ISSUER=... JWT_AUDIENCE=...` with a required scope and a static token beside,
-tokens minted here (PyJWT) with keys of our own, real tritonclient clients. Triton forwards
-every header it gets into the echo_headers model's output here, so what reached Triton shows."""
+"""OIDC / WLCG tokens at the gateway, on a gateway of its own (tests/support/lone_gateway.py:
+the shipped config as `make local JWKS_FILE=... JWT_ISSUER=... JWT_AUDIENCE=...` writes it,
+with a required scope and a static token beside, in front of a stand-in Triton that records
+the headers reaching it): tokens minted here (PyJWT) with keys of our own, real tritonclient
+clients. A JWT's check is the gateway's alone (the Serve path has none), so no stack is
+started for it."""
 
 from __future__ import annotations
 
@@ -18,10 +20,12 @@ import tritonclient.grpc as tc
 from cryptography.hazmat.primitives.asymmetric import rsa
 from jwt.algorithms import RSAAlgorithm
 
-from local_stack.harness import processes_left_behind, running_stack
+from local_stack.gateway_config import jwt_folder
 from local_stack.polling import until
+from local_stack.stack import JwksFollower
 from tests.support.callers import lines_since
 from tests.support.echo import echo_inputs, infer_with_token
+from tests.support.lone_gateway import LoneGateway, lone_gateway
 from tests.support.raw_http import request
 
 ISSUER = "https://idp.sonic-ray.test"
@@ -51,6 +55,8 @@ class JwtStack:
     keys: dict[str, rsa.RSAPrivateKey]
     workdir: Path
     access_log: Path
+    lone: LoneGateway
+    follower: JwksFollower
 
 
 @pytest.fixture(scope="module")
@@ -61,16 +67,19 @@ def jwt_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[JwtStack]:
     jwks_file.write_text(_jwks(("k1", keys["k1"])))
     tokens_file = folder / "tokens"
     tokens_file.write_text(f"{STATIC}\n")
-    with running_stack({
+    gateway = folder / "gateway"
+    gateway.mkdir()
+    with lone_gateway(gateway, {
         "JWKS_FILE": str(jwks_file), "JWT_ISSUER": ISSUER, "JWT_AUDIENCE": AUDIENCE,
         "SONIC_RAY_JWT_SCOPE": SCOPE, "SONIC_RAY_AUTH_TOKENS_FILE": str(tokens_file),
         "SONIC_RAY_TENANT_CLAIM": "wlcg.groups",
-        "TRITON_ARGS": "--grpc-header-forward-pattern=.* --http-header-forward-pattern=.*",
-    }) as running:
-        yield JwtStack(running.url("GRPC_PORT"), running.url("HTTP_PORT"), jwks_file, keys,
-                       running.process.workdir(), Path(running.process.wait_for_line(
-                           r"access log \(a JSON line per call\): (\S+)", 1).group(1)))
-    assert not processes_left_behind(running.process)
+    }, ready_headers={"authorization": f"Bearer {STATIC}"}) as lone:
+        # What `make local` runs twice a second beside Envoy: the token checks rewritten
+        # when JWKS_FILE changes (local_stack/stack.py).
+        follower = JwksFollower(lone.settings, jwt_folder(gateway / "endpoints.json"))
+        follower.follow()
+        yield JwtStack(lone.grpc, f"localhost:{lone.settings.http_port}", jwks_file, keys,
+                       gateway, lone.access_log, lone, follower)
 
 
 def _token(stack: JwtStack, kid: str = "k1", key: rsa.RSAPrivateKey | None = None,
@@ -90,11 +99,15 @@ def _unsigned(claims: dict[str, Any]) -> str:
 def test_a_valid_token_passes_and_never_reaches_triton(jwt_stack: JwtStack) -> None:
     token = _token(jwt_stack)
     client = tc.InferenceServerClient(jwt_stack.url)
-    result = client.infer("echo_headers", echo_inputs(), client_timeout=30,
-                          headers={"authorization": f"Bearer {token}", "x-sonic-job": "jwt"})
-    seen_by_triton = result.as_numpy("PARAMETERS")[0].decode()
-    assert '"x-sonic-job":"jwt"' in seen_by_triton
-    assert token not in seen_by_triton and "authorization" not in seen_by_triton
+    try:
+        client.infer("echo_headers", echo_inputs(), client_timeout=30,
+                     headers={"authorization": f"Bearer {token}", "x-sonic-job": "jwt"})
+    finally:
+        client.close()
+    seen_by_triton = jwt_stack.lone.seen.headers_of("/ModelInfer")[-1]
+    assert seen_by_triton.get("x-sonic-job") == "jwt", seen_by_triton
+    assert "authorization" not in seen_by_triton
+    assert not any(token in value for value in seen_by_triton.values())
 
 
 def test_a_tokens_caller_is_its_subject_and_its_tenant_the_claim(jwt_stack: JwtStack) -> None:
@@ -189,6 +202,7 @@ def test_a_rotated_key_set_takes_effect_without_a_restart(jwt_stack: JwtStack) -
     staged = jwt_stack.jwks_file.with_name("jwks.new")
     staged.write_text(_jwks(("k2", jwt_stack.keys["k2"])))
     staged.replace(jwt_stack.jwks_file)
+    jwt_stack.follower.follow()
     until("tokens of the new key to pass",
           lambda: infer_with_token(jwt_stack.url, _token(jwt_stack, kid="k2")) == "OK" or "refused", 30)
     old = infer_with_token(jwt_stack.url, _token(jwt_stack, kid="k1"))
