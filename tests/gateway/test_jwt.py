@@ -207,3 +207,7 @@ def test_a_rotated_key_set_takes_effect_without_a_restart(jwt_stack: JwtStack) -
           lambda: infer_with_token(jwt_stack.url, _token(jwt_stack, kid="k2")) == "OK" or "refused", 30)
     old = infer_with_token(jwt_stack.url, _token(jwt_stack, kid="k1"))
     assert old.startswith("StatusCode.UNAUTHENTICATED"), old
+
+
+# Every test here starts processes (make unit leaves them out: tests/conftest.py).
+pytestmark = pytest.mark.processes
