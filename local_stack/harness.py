@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 
 from local_stack.polling import until
-from local_stack.ports import free_port_range, free_ports
+from local_stack.ports import free_port_range, free_ports, release
 from local_stack.processes import orphaned_regions, regions
 from local_stack.ray_cluster import application, deploy, deployment_of
 from local_stack.settings import DEFAULT_CONFIG, POD_PORT_STEP, ROOT, Settings
@@ -58,6 +58,17 @@ def stack_ports_env() -> dict[str, str]:
         ports[f"RAY_SERVE_DIRECT_INGRESS_MIN_{protocol}_PORT"] = str(first)
         ports[f"RAY_SERVE_DIRECT_INGRESS_MAX_{protocol}_PORT"] = str(first + REPLICA_PORTS - 1)
     return ports
+
+
+def release_stack_ports(ports: dict[str, str]) -> None:
+    """What stack_ports_env handed out, free again once the stack stopped clean."""
+    numbers = [int(v) for v in ports.values() if v.isdigit()]
+    triton = int(ports["TRITON_HTTP_PORT"])
+    numbers += range(triton, triton + POD_PORT_STEP * MAX_PODS)
+    for protocol in ("HTTP", "GRPC"):
+        low = int(ports[f"RAY_SERVE_DIRECT_INGRESS_MIN_{protocol}_PORT"])
+        numbers += range(low, low + REPLICA_PORTS)
+    release(numbers)
 
 
 class StackProcess:
@@ -211,6 +222,8 @@ def running_stack(env: dict[str, str], wrapper: Sequence[str] = (),
     # Every stack the tests start keeps make local's promise on its stop.
     if ready:
         problems = stop_problems(process, ports, took, regions_before)
+        if not problems:
+            release_stack_ports(ports)
         if problems:
             raise AssertionError(f"make local with {sorted(env)} did not stop clean: "
                                  + "; ".join(problems))
