@@ -38,6 +38,15 @@ READY_LINE = f"^{re.escape(f'{SAID} {READY}')} "
 TLS_LINE = rf"^{re.escape(SAID)} tls: ca (\S+) client-cert (\S+) client-key (\S+)$"
 
 
+# The ranges a stack of its own takes: the variable naming each one's first port, its length.
+# Triton i of a stack listens on each base port + 10 i: blocks of 10 ports, one per pod.
+# Direct-ingress replicas' own servers, a range per stack: gRPC binds with SO_REUSEPORT, so
+# two stacks' replicas on one port would silently share its connections.
+PORT_RANGES = {"TRITON_HTTP_PORT": POD_PORT_STEP * MAX_PODS,
+               "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": REPLICA_PORTS,
+               "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": REPLICA_PORTS}
+
+
 def stack_ports_env() -> dict[str, str]:
     """Ports of a stack of its own, clear of `make local`'s and of any other stack's."""
     names = ["GRPC_PORT", "HTTP_PORT", "SERVE_GRPC_PORT", "SERVE_HTTP_PORT", "GATEWAY_METRICS_PORT",
@@ -46,28 +55,24 @@ def stack_ports_env() -> dict[str, str]:
              "RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT",
              "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT", "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT"]
     ports = {name: str(port) for name, port in zip(names, free_ports(len(names)), strict=True)}
-    # Triton i of a stack listens on each base port + 10 i: blocks of 10 ports, one per pod.
-    triton = free_port_range(POD_PORT_STEP * MAX_PODS)
+    first = {name: free_port_range(length) for name, length in PORT_RANGES.items()}
+    triton = first["TRITON_HTTP_PORT"]
     for offset, name in enumerate(("TRITON_HTTP_PORT", "TRITON_GRPC_PORT", "TRITON_METRICS_PORT",
                                    "POD_READY_PORT")):
         ports[name] = str(triton + offset)
-    # Direct-ingress replicas' own servers, a range per stack: gRPC binds with SO_REUSEPORT, so
-    # two stacks' replicas on one port would silently share its connections.
     for protocol in ("HTTP", "GRPC"):
-        first = free_port_range(REPLICA_PORTS)
-        ports[f"RAY_SERVE_DIRECT_INGRESS_MIN_{protocol}_PORT"] = str(first)
-        ports[f"RAY_SERVE_DIRECT_INGRESS_MAX_{protocol}_PORT"] = str(first + REPLICA_PORTS - 1)
+        name = f"RAY_SERVE_DIRECT_INGRESS_MIN_{protocol}_PORT"
+        ports[name] = str(first[name])
+        ports[f"RAY_SERVE_DIRECT_INGRESS_MAX_{protocol}_PORT"] = str(
+            first[name] + PORT_RANGES[name] - 1)
     return ports
 
 
 def release_stack_ports(ports: dict[str, str]) -> None:
     """What stack_ports_env handed out, free again once the stack stopped clean."""
     numbers = [int(v) for v in ports.values() if v.isdigit()]
-    triton = int(ports["TRITON_HTTP_PORT"])
-    numbers += range(triton, triton + POD_PORT_STEP * MAX_PODS)
-    for protocol in ("HTTP", "GRPC"):
-        low = int(ports[f"RAY_SERVE_DIRECT_INGRESS_MIN_{protocol}_PORT"])
-        numbers += range(low, low + REPLICA_PORTS)
+    for name, length in PORT_RANGES.items():
+        numbers += range(int(ports[name]), int(ports[name]) + length)
     release(numbers)
 
 

@@ -133,17 +133,19 @@ def tls_context(files: certificates.Files) -> ssl.SSLContext:
 
 
 def http_ready(port: int, headers: tuple[tuple[str, str], ...] = (), host: str = "localhost",
-               context: ssl.SSLContext | None = None) -> Any:
-    """True once the HTTP endpoint at `port` answers Triton's readiness with 200, else why not
-    (over TLS with `context`)."""
+               context: ssl.SSLContext | None = None, path: str = "/v2/health/ready",
+               timeout: float = 2.0) -> Any:
+    """True once the HTTP endpoint at `port` answers `path` (Triton's readiness unless told)
+    with 200, else why not: the answer's own words where it gives some (over TLS with
+    `context`)."""
     scheme = "https" if context is not None else "http"
-    request = urllib.request.Request(f"{scheme}://{host}:{port}/v2/health/ready",
-                                     headers=dict(headers))
+    request = urllib.request.Request(f"{scheme}://{host}:{port}{path}", headers=dict(headers))
     try:
-        with urllib.request.urlopen(request, timeout=2, context=context) as response:
+        with urllib.request.urlopen(request, timeout=timeout, context=context) as response:
             return True if response.status == 200 else f"HTTP {response.status}"
     except urllib.error.HTTPError as error:
-        return f"HTTP {error.code} on {port}"
+        words = error.read().decode(errors="replace").strip()
+        return f"HTTP {error.code} on {port}" + (f": {words}" if words else "")
     except (urllib.error.URLError, OSError) as error:
         return f"HTTP on {port}: {error}"
 
@@ -196,19 +198,6 @@ def write_gateway_config(s: Settings, endpoints_file: Path, http_endpoints_file:
     config_path.write_text(yaml.safe_dump(gateway_config.local_config(
         s, endpoints_file, http_endpoints_file, tls_folder, access_log)))
     return config_path, jwks
-
-
-def pod_ready(port: int) -> Any:
-    """True while a pod's replica answers its readiness (Triton ready, models warm: the Triton
-    container's readinessProbe in the cluster, serve/triton_pod/pod_ready.py), else why not."""
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{READY_PATH}",
-                                    timeout=POD_READY_TIMEOUT_S) as response:
-            return True if response.status == 200 else f"HTTP {response.status}"
-    except urllib.error.HTTPError as error:
-        return error.read().decode(errors="replace").strip() or f"HTTP {error.code}"
-    except (urllib.error.URLError, OSError) as error:
-        return f"no answer ({error})"
 
 
 class Discovery:
@@ -278,7 +267,8 @@ class Discovery:
             with_replica = self.replica_pods()
             ready = {i for i in with_replica
                      if not self._stack.tritons[i].retiring
-                     and pod_ready(s.pod_ready_port(i)) is True}
+                     and http_ready(s.pod_ready_port(i), host="127.0.0.1", path=READY_PATH,
+                                    timeout=POD_READY_TIMEOUT_S) is True}
             if ready != self.listed:
                 gateway.write_endpoints(self.path, [s.triton(i).grpc for i in ready])
                 gateway.write_endpoints(self.http_path, [s.triton(i).http for i in ready],

@@ -537,6 +537,7 @@ class _Serve:
     graceful_s: Any
     ready_timeout_s: Any
     ready_port: Any
+    warmup_s: Any
     config: dict[str, Any]
 
 
@@ -632,6 +633,8 @@ def _serve_facts(facts: Facts, spec: dict[str, Any]) -> _Serve:
         graceful_s=_int(deployment.get("graceful_shutdown_timeout_s", 20)),
         ready_timeout_s=_int(args.get("ready_timeout_s", defaults["ready_timeout_s"].default)),
         ready_port=_int(args.get("ready_port", defaults["ready_port"].default)),
+        warmup_s=_number((args.get("warmup") or {}).get(
+            "timeout_s", WarmupArgs.model_fields["timeout_s"].default)),
         config=config,
     )
 
@@ -788,6 +791,46 @@ def _worker_group_facts(facts: Facts, group_path: str, group: dict[str, Any],
     facts.append("graceMinusRayDrain", _diff(grace, drain), where)
     for container in tritons:
         _triton_facts(facts, group_path, group, container, grace, serve, gateway, dns_ttl)
+    for container in pod.get("containers") or []:
+        _restart_probe_facts(facts, group_path, container, serve)
+
+
+def _probe_window(probe: dict[str, Any]) -> Any:
+    """How long a probe lets its container fail before it acts: failureThreshold x
+    periodSeconds, Kubernetes' defaults where left out."""
+    return _int(probe.get("failureThreshold", 3)) * _int(probe.get("periodSeconds", 10))
+
+
+def _asks_warm_check(probe: dict[str, Any], serve: _Serve) -> bool:
+    asked = probe.get("httpGet") or {}
+    return f"{asked.get('port')}{asked.get('path', '')}" == f"{serve.ready_port}{READY_PATH}"
+
+
+def _restart_probe_facts(facts: Facts, group_path: str, container: dict[str, Any],
+                         serve: _Serve) -> None:
+    """Probes that restart a container (startup, liveness) and ask the pod's warm check: a
+    liveness probe there restarts Triton whenever it reloads or a warm-up runs long; a startup
+    probe must outlast the replica's wait for Triton and the whole warm-up."""
+    where = f"{group_path}.template.spec.containers[{container.get('name')}]"
+    needed = _diff(serve.ready_timeout_s, -serve.warmup_s) if isinstance(
+        serve.warmup_s, float) else None
+    for kind in ("startupProbe", "livenessProbe"):
+        probe = container.get(kind) or {}
+        window = _probe_window(probe)
+        if not _asks_warm_check(probe, serve):
+            problem = ""
+        elif kind == "livenessProbe":
+            problem = (f"{kind} asks the warm check {serve.ready_port}{READY_PATH}: a Triton "
+                       "that reloads or warms up slowly is restarted (ask Triton's "
+                       "/v2/health/live)")
+        elif isinstance(window, int) and isinstance(needed, (int, float)) and window < needed:
+            problem = (f"{kind} asks the warm check {serve.ready_port}{READY_PATH} and gives "
+                       f"up after {window} s (failureThreshold x periodSeconds), before "
+                       f"{serve.app_path}.args.ready_timeout_s + args.warmup.timeout_s = "
+                       f"{needed:g} s")
+        else:
+            problem = ""
+        facts.append("restartProbesCutWarmup", problem, f"{where}.{kind}")
 
 
 def _triton_facts(facts: Facts, group_path: str, group: dict[str, Any],
@@ -821,7 +864,11 @@ def _triton_facts(facts: Facts, group_path: str, group: dict[str, Any],
                                           for m in writable_mounts),
                  f"{where}.env[HOME]")
     probe = container.get("startupProbe") or {}
-    startup_s = _int(probe.get("failureThreshold", 3)) * _int(probe.get("periodSeconds", 10))
+    startup_s = _probe_window(probe)
+    if _asks_warm_check(probe, serve) and isinstance(startup_s, int) and isinstance(
+            serve.warmup_s, float):
+        # Asking the warm check, the probe's window holds Triton's start and the warm-up.
+        startup_s -= serve.warmup_s
     facts.append("readyTimeoutMinusTritonStartup", _diff(serve.ready_timeout_s, startup_s),
                  f"{serve.app_path}.args.ready_timeout_s")
     readiness = (container.get("readinessProbe") or {}).get("httpGet") or {}

@@ -71,6 +71,15 @@ class HttpForwarder:
             )
         return self._session
 
+    async def call(self, method: str, path: str, body: bytes | None, headers: dict[str, str],
+                   timeout_s: float) -> tuple[int, bytes]:
+        """A call of this pod's own (the warm-up's, warmup.py) to its Triton, on the forwarder's
+        connections, ended after `timeout_s`."""
+        async with self._client().request(
+                method, f"http://{self.address}{path}", data=body, headers=headers,
+                timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
+            return response.status, await response.read()
+
     async def forward(self, request: Request) -> Response:
         if self._tokens is not None and not self._tokens.allows(
                 [(AUTHORIZATION, request.headers.get(AUTHORIZATION, ""))]):

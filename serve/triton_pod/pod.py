@@ -88,6 +88,11 @@ class TritonPodArgs(BaseModel):
         return names
 
 
+# The failure counter's model when Triton's list of ready models could not be read: no model's
+# warm-up could start, so the failure is the pod's, not one model's.
+NO_MODEL_LIST = "(no list of models)"
+
+
 class TritonPod(GrpcForwarding):
     # Serve awaits an async constructor, so a replica counts as started only once its Triton
     # is ready.
@@ -137,12 +142,19 @@ class TritonPod(GrpcForwarding):
         await self._warm()
         self._watch = asyncio.get_running_loop().create_task(self._watch_triton())
 
-    async def _triton_ready(self) -> str | None:
+    async def _triton_says(self, rpc: str, timeout: float) -> str | None:
+        """None when Triton answers `rpc` (ServerReady or ServerLive) true, else why not. Both
+        answer OK with one bool field, which serialises to b"\\x08\\x01" when true and to
+        nothing when false (ServerReady while models load)."""
         try:
-            reply = await self._unary["ServerReady"](b"", timeout=TRITON_CHECK_S)
+            reply = await self._unary[rpc](b"", timeout=timeout)
         except grpc.aio.AioRpcError as error:
-            return f"Triton: {error.code().name}: {error.details()}"
-        return None if reply == b"\x08\x01" else "Triton answers ready=false"
+            return f"{error.code().name}: {error.details()}"
+        return None if reply == b"\x08\x01" else f"{rpc} answered false"
+
+    async def _triton_ready(self) -> str | None:
+        why = await self._triton_says("ServerReady", TRITON_CHECK_S)
+        return None if why is None else f"Triton: {why}"
 
     async def _post(self, path: str, body: bytes, header_length: int | None,
                     timeout_s: float) -> tuple[int, bytes]:
@@ -154,11 +166,7 @@ class TritonPod(GrpcForwarding):
 
     async def _request(self, method: str, path: str, body: bytes | None,
                        headers: dict[str, str], timeout_s: float) -> tuple[int, bytes]:
-        url = f"http://{self._args.triton_http_address}{path}"
-        timeout = aiohttp.ClientTimeout(total=timeout_s)
-        async with aiohttp.ClientSession(timeout=timeout) as session, session.request(
-                method, url, data=body, headers=headers) as response:
-            return response.status, await response.read()
+        return await self._http.call(method, path, body, headers, timeout_s)
 
     async def _config(self, model: str) -> dict[str, Any]:
         status, body = await self._request("GET", f"/v2/models/{model}/config", None, {},
@@ -201,7 +209,7 @@ class TritonPod(GrpcForwarding):
         except (aiohttp.ClientError, TimeoutError, RuntimeError, ValueError) as error:
             message = f"warm-up: the ready models could not be listed: {error}"
             logger.error("%s", message)
-            self._warmup_failures.inc(tags={"model": ""})
+            self._warmup_failures.inc(tags={"model": NO_MODEL_LIST})
             if self._args.warmup.on_failure == "fail":
                 raise WarmupError(message) from error
             models = []
@@ -255,16 +263,11 @@ class TritonPod(GrpcForwarding):
         next_log = 0.0
         last_error = ""
         while True:
-            try:
-                # ServerReady answers OK with ready=false while models load; its only field
-                # is that bool, which serialises to b"\x08\x01" when true.
-                reply = await self._unary["ServerReady"](b"", timeout=2.0)
-                if reply == b"\x08\x01":
-                    logger.info("Triton at %s is ready", address)
-                    return
-                last_error = "ServerReady answered ready=false"
-            except grpc.aio.AioRpcError as error:
-                last_error = f"{error.code().name}: {error.details()}"
+            why = await self._triton_says("ServerReady", 2.0)
+            if why is None:
+                logger.info("Triton at %s is ready", address)
+                return
+            last_error = why
             now = time.monotonic()
             if now >= deadline:
                 raise TimeoutError(
@@ -285,15 +288,9 @@ class TritonPod(GrpcForwarding):
         as does a warm-up after a Triton restart that failed under `on_failure: fail`."""
         if self._warm_failed is not None:
             raise RuntimeError(self._warm_failed)
-        try:
-            reply = await self._unary["ServerLive"](b"", timeout=self._args.health_timeout_s)
-        except grpc.aio.AioRpcError as error:
-            raise RuntimeError(
-                f"Triton at {self._args.triton_address} is not live: "
-                f"{error.code().name}: {error.details()}"
-            ) from error
-        if reply != b"\x08\x01":
-            raise RuntimeError(f"Triton at {self._args.triton_address} reports live=false")
+        why = await self._triton_says("ServerLive", self._args.health_timeout_s)
+        if why is not None:
+            raise RuntimeError(f"Triton at {self._args.triton_address} is not live: {why}")
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom-metrics hook: this replica's Triton queue time per execution."""

@@ -232,6 +232,19 @@ def test_known_bad_fixture_is_refused_naming_object_and_field(invariant: str) ->
     assert all("\n" not in p for p in problems)
 
 
+def test_a_liveness_probe_asking_the_warm_check_is_refused_however_long() -> None:
+    # restart-probes-outlast-warmup's other half: no window makes a liveness probe on the warm
+    # check safe (a Triton that reloads its models would be restarted).
+    built = objects(build(FIXTURES / "restart-probes-outlast-warmup" / "allowed"))
+    (service,) = [o for o in built if o["kind"] == "RayService"]
+    triton = next(c for c in service["spec"]["rayClusterConfig"]["workerGroupSpecs"][0][
+        "template"]["spec"]["containers"] if c["name"] == "triton")
+    triton["livenessProbe"] = {**triton.pop("startupProbe"), "failureThreshold": 100000}
+    problems, _ = check_stream(yaml.safe_dump_all(built), DEFAULT_KUBERNETES_VERSION)
+    mine = [p for p in problems if p.startswith("restart-probes-outlast-warmup: ")]
+    assert len(mine) == 1 and "containers[triton].livenessProbe" in mine[0], problems
+
+
 def test_check_command_prints_a_line_per_violation_and_fails() -> None:
     bad = build(FIXTURES / "ports-separate" / "disallowed")
     result = subprocess.run([sys.executable, "-m", "schema.check", "-"], input=bad, text=True,
