@@ -95,8 +95,9 @@ schemas: venv
 	$(PY) -m tools.kustomize_openapi
 
 # Writes the gateway's refused-RPC routes from the RPC table and the Serve config's
-# allowed_admin_rpcs (gateway/envoy.yaml, between its markers), then its TLS variants from it
-# (components/tls, components/mtls), the token checks' configs (gateway/jwt.py: off, and
+# allowed_admin_rpcs (gateway/envoy.yaml, between its markers), the TLS secrets' discovery
+# documents (gateway/tls.py: gateway/sds-server-certificate.yaml, gateway/sds-client-ca.yaml),
+# the token checks' configs (gateway/jwt.py: off, and
 # each site's from its jwt.env and jwks.json) and the tenant shares' (gateway/tenant_shares.py:
 # none, and each site's from its tenant-shares.env).
 gateway-config: venv

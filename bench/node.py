@@ -132,9 +132,13 @@ def _gateway_config(folder: Path, triton_grpc: int, triton_http: int,
 
 def bare(config: dict[str, Any]) -> dict[str, Any]:
     """The gateway's config with its gRPC listener reduced to Envoy's floor: the same clusters
-    and HTTP/2 settings, a router and one route, no access log, no local replies."""
+    and HTTP/2 settings, one filter chain in clear, a router and one route, no access log, no
+    local replies."""
     config = copy.deepcopy(config)
     listener = named(config, "listeners", GRPC_LISTENER)
+    # The chain in clear alone: the TLS chains share its filters (gateway/envoy.yaml).
+    listener.pop("filter_chain_matcher", None)
+    listener["filter_chains"] = [copy.deepcopy(listener["filter_chains"][0])]
     manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
     for key in ("access_log", "local_reply_config"):
         manager.pop(key, None)

@@ -7,10 +7,23 @@
 #   subjects, tenants, tenant shares); otherwise the runtime key sonic_ray.calls_unchecked
 #   (gateway/envoy.yaml) routes them past the Lua, and Envoy's own filters record an anonymous
 #   caller. Envoy started without this script runs the checks on every call.
+# * The client listeners' transport (gateway/envoy.yaml, filter_chain_matcher): SONIC_RAY_TLS
+#   unset or empty in clear, `server` TLS (components/tls), `mutual` TLS with client
+#   certificates (components/mtls), which name every caller, so the checks run on every call;
+#   any other value stops the start.
 # * LUA_PATH: both Lua filters require gateway/gate.lua, which lies beside this file.
 set -eu
 here=$(dirname "$0")
 unchecked=100
+tls_server=0
+tls_mutual=0
+case "${SONIC_RAY_TLS:-}" in
+  "") ;;
+  server) tls_server=100 ;;
+  mutual) tls_mutual=100; unchecked=0 ;;
+  *) echo "[gateway] SONIC_RAY_TLS=${SONIC_RAY_TLS} is not server, mutual or empty" >&2
+     exit 2 ;;
+esac
 for value in "${SONIC_RAY_AUTH_TOKENS_FILE:-}" "${SONIC_RAY_JWT_ISSUER:-}" \
     "${SONIC_RAY_CLIENT_SUBJECTS:-}" "${SONIC_RAY_TENANTS:-}" "${SONIC_RAY_TENANT_CLAIM:-}" \
     "${SONIC_RAY_TENANT_SHARES:-}"; do
@@ -24,5 +37,10 @@ else
   echo "[gateway] the client checks run on job starts only: nothing checks or names callers" \
     "(components/mtls runs them on every call)" >&2
 fi
+case "${SONIC_RAY_TLS:-}" in
+  "") echo "[gateway] client listeners in clear (SONIC_RAY_TLS unset): Envoy may warn once" \
+        "that the TLS chains' certificate folder is absent" >&2 ;;
+  *) echo "[gateway] client listeners speak TLS only (SONIC_RAY_TLS=${SONIC_RAY_TLS})" >&2 ;;
+esac
 exec "${ENVOY:-envoy}" "$@" --config-yaml \
-  "{layered_runtime: {layers: [{name: site, static_layer: {sonic_ray.calls_unchecked: $unchecked}}]}}"
+  "{layered_runtime: {layers: [{name: site, static_layer: {sonic_ray.calls_unchecked: $unchecked, sonic_ray.tls_server: $tls_server, sonic_ray.tls_mutual: $tls_mutual}}]}}"

@@ -1,26 +1,27 @@
-"""The gateway's config with TLS on the clients' listeners (components/tls) and, on top,
-client certificates (components/mtls): gateway/envoy.yaml with a TLS transport socket on the
-gRPC and HTTP listeners. The certificate and the CA come by SDS from files (one discovery
-document per secret, mounted with the config, naming the Secret's files): Envoy watches the
-files of a secret it got by SDS, and of no other, so a renewed Secret is served to new
-connections without a restart while old ones finish.
+"""TLS on the gateway's client listeners (components/tls) and, on top, client certificates
+(components/mtls). gateway/envoy.yaml holds the three filter chains of each client listener
+(in clear, `tls`, `mtls`, sharing their filters); the container's SONIC_RAY_TLS picks one at
+start (gateway/start.sh), so a component changes only the Deployment: that variable and the
+secrets' volumes. The certificate and the CA come by SDS from files (one discovery document per
+secret, in the gateway's ConfigMap, naming the Secret's files where the components mount them):
+Envoy watches the files of a secret it got by SDS, and of no other, so a renewed Secret is
+served to new connections without a restart while old ones finish.
 
-A component's files must lie in its own folder (Kustomize's load restrictor), so `make
-gateway-config` writes each variant there from gateway/envoy.yaml; the checks refuse a stale one.
+`make gateway-config` writes the discovery documents (gateway/sds-server-certificate.yaml,
+gateway/sds-client-ca.yaml); the checks refuse a stale one.
 
     python -m gateway.tls [--check]
 """
 
 from __future__ import annotations
 
-import copy
 import sys
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from gateway.routes import ENVOY_CONFIG, GRPC_LISTENER, HTTP_LISTENER, ROOT, named
+from gateway.routes import GRPC_LISTENER, HTTP_LISTENER, ROOT, named
 from tools.generated import write_or_check
 
 # Where the components mount the server's `kubernetes.io/tls` Secret (tls.crt, tls.key, what
@@ -31,21 +32,19 @@ SERVER_CERTIFICATE, CLIENT_CA = "server-certificate", "client-ca"
 # Where the gateway's Deployment mounts its ConfigMap (gateway/gateway.yaml), discovery
 # documents included.
 MOUNTED_AT = "/etc/envoy"
-# The variants, by component: whether each asks clients for a certificate.
-VARIANTS = {"tls": False, "mtls": True}
-# The discovery documents each component adds to the ConfigMap: mtls builds on tls.
-SECRETS_BY_COMPONENT = {"tls": SERVER_CERTIFICATE, "mtls": CLIENT_CA}
+# What the container's SONIC_RAY_TLS may say (gateway/start.sh), and the filter chain of each
+# client listener it picks (gateway/envoy.yaml): the components set it.
+TLS_ENV = "SONIC_RAY_TLS"
+CHAIN_BY_MODE = {"": "clear", "server": "tls", "mutual": "mtls"}
+MODE_BY_COMPONENT = {"tls": "server", "mtls": "mutual"}
 SECRET_TYPE = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret"
-MINIMUM_VERSION = "TLSv1_2"
 # What each listener offers in ALPN: gRPC needs HTTP/2; the HTTP listener speaks both.
 ALPN = {GRPC_LISTENER: ["h2"], HTTP_LISTENER: ["h2", "http/1.1"]}
-TLS_SOCKET = "envoy.transport_sockets.tls"
-DOWNSTREAM_TLS = ("type.googleapis.com/envoy.extensions.transport_sockets.tls.v3."
-                  "DownstreamTlsContext")
 
 
-def variant_path(component: str) -> Path:
-    return ROOT / "components" / component / "envoy.yaml"
+def sds_path(secret_name: str) -> Path:
+    """Where `make gateway-config` writes a secret's discovery document."""
+    return ROOT / "gateway" / sds_file_name(secret_name)
 
 
 def sds_file_name(secret: str) -> str:
@@ -71,17 +70,31 @@ def sds_document(name: str, folder: str) -> dict[str, Any]:
     return {"resources": [{"@type": SECRET_TYPE, **secret(name, folder)}]}
 
 
-def _from_file(name: str, config_dir: str) -> dict[str, Any]:
-    return {"name": name, "sds_config": {
-        "resource_api_version": "V3",
-        "path_config_source": {"path": f"{config_dir}/{sds_file_name(name)}"}}}
+def chains(config: dict[str, Any], listener: str) -> dict[str, dict[str, Any]]:
+    """A client listener's filter chains by name (an unnamed chain: `clear`)."""
+    return {str(chain.get("name") or "clear"): chain
+            for chain in named(config, "listeners", listener).get("filter_chains", [])}
 
 
-def sds_configs(config: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every secret the client listeners take by SDS: {name, sds_config}, in place."""
+def selected_chain(config: dict[str, Any], listener: str, mode: str) -> dict[str, Any] | None:
+    """The filter chain a client listener serves under SONIC_RAY_TLS=`mode`: the one named
+    for it where a matcher picks (gateway/envoy.yaml), else the listener's only chain; None
+    where the mode is unknown or the listener has no such chain."""
+    found = chains(config, listener)
+    if "filter_chain_matcher" not in named(config, "listeners", listener):
+        return next(iter(found.values()), None)
+    return found.get(CHAIN_BY_MODE.get(mode, ""))
+
+
+def sds_configs(config: dict[str, Any], chain_names: tuple[str, ...] | None = None
+                ) -> list[dict[str, Any]]:
+    """Every secret the client listeners' chains (those named, else all) take by SDS:
+    {name, sds_config}, in place."""
     found = []
     for listener in ALPN:
-        for chain in named(config, "listeners", listener).get("filter_chains", []):
+        for name, chain in chains(config, listener).items():
+            if chain_names is not None and name not in chain_names:
+                continue
             common = ((chain.get("transport_socket") or {}).get("typed_config") or {}).get(
                 "common_tls_context") or {}
             found += [item for item in [*common.get("tls_certificate_sds_secret_configs", []),
@@ -90,62 +103,14 @@ def sds_configs(config: dict[str, Any]) -> list[dict[str, Any]]:
     return found
 
 
-def sds_paths(config: dict[str, Any]) -> dict[str, str]:
-    """Secret name -> the discovery document's path, as the client listeners name them."""
+def sds_paths(config: dict[str, Any], chain_names: tuple[str, ...] | None = None
+              ) -> dict[str, str]:
+    """Secret name -> the discovery document's path, as the chains name them."""
     return {item["name"]: item["sds_config"]["path_config_source"]["path"]
-            for item in sds_configs(config)}
+            for item in sds_configs(config, chain_names)}
 
 
-def transport_socket(listener: str, client_certificates: bool) -> dict[str, Any]:
-    context: dict[str, Any] = {
-        "tls_params": {"tls_minimum_protocol_version": MINIMUM_VERSION},
-        "alpn_protocols": ALPN[listener],
-        "tls_certificate_sds_secret_configs": [_from_file(SERVER_CERTIFICATE, MOUNTED_AT)],
-    }
-    tls: dict[str, Any] = {"@type": DOWNSTREAM_TLS, "common_tls_context": context}
-    if client_certificates:
-        # A certificate that does not verify against the CA ends the handshake.
-        context["validation_context_sds_secret_config"] = _from_file(CLIENT_CA, MOUNTED_AT)
-        tls["require_client_certificate"] = True
-    return {"name": TLS_SOCKET, "typed_config": tls}
-
-
-def with_tls(config: dict[str, Any], client_certificates: bool) -> dict[str, Any]:
-    """A copy of the config whose client listeners speak only TLS: a plaintext client's
-    bytes end the handshake at once (no plaintext filter chain is left)."""
-    config = copy.deepcopy(config)
-    for listener in ALPN:
-        for chain in named(config, "listeners", listener)["filter_chains"]:
-            chain["transport_socket"] = transport_socket(listener, client_certificates)
-            if client_certificates:
-                _checked_always(chain)
-    return config
-
-
-def _checked_always(chain: dict[str, Any]) -> None:
-    """Every call passes the client checks: a certificate names its caller (`cert:<subject>`,
-    tenant "other" or a SONIC_RAY_TENANTS pattern's), which only the checks record; the routes
-    that may skip them (gateway/envoy.yaml, sonic_ray.calls_unchecked) are left out."""
-    for network_filter in chain["filters"]:
-        for host in network_filter["typed_config"]["route_config"]["virtual_hosts"]:
-            host["routes"] = [route for route in host["routes"]
-                              if "runtime_fraction" not in route["match"]]
-
-
-def header(component: str) -> str:
-    what = ("TLS on the clients' listeners, and a client certificate signed by the site's CA"
-            if VARIANTS[component] else "TLS on the clients' listeners")
-    return (f"# gateway/envoy.yaml with {what}: written by `make gateway-config`\n"
-            "# (gateway/tls.py) from gateway/envoy.yaml; edit that, not this file.\n")
-
-
-def render(component: str, base_text: str) -> str:
-    config = with_tls(yaml.safe_load(base_text), VARIANTS[component])
-    return header(component) + yaml.safe_dump(config, sort_keys=False, width=100)
-
-
-def render_sds(component: str) -> str:
-    name = SECRETS_BY_COMPONENT[component]
+def render_sds(name: str) -> str:
     folder = TLS_MOUNT if name == SERVER_CERTIFICATE else CLIENT_CA_MOUNT
     return (f"# The secret `{name}` for the gateway's TLS config, by SDS from this file: written\n"
             "# by `make gateway-config` (gateway/tls.py).\n"
@@ -153,13 +118,10 @@ def render_sds(component: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    base = ENVOY_CONFIG.read_text()
     failed = 0
-    for component, secret_name in SECRETS_BY_COMPONENT.items():
-        failed |= write_or_check(variant_path(component), render(component, base), argv,
-                                 __doc__, "make gateway-config")
-        failed |= write_or_check(variant_path(component).with_name(sds_file_name(secret_name)),
-                                 render_sds(component), argv, __doc__, "make gateway-config")
+    for name in (SERVER_CERTIFICATE, CLIENT_CA):
+        failed |= write_or_check(sds_path(name), render_sds(name), argv, __doc__,
+                                 "make gateway-config")
     return failed
 
 

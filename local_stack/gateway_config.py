@@ -1,7 +1,7 @@
-"""The gateway's config as `make local` runs it: gateway/envoy.yaml (or a TLS component's
-variant) with this machine's ports, the Tritons from files the stack rewrites (EDS from the
-filesystem), the control plane on the Ray head's local port and the identity provider from
-JWKS_URI. gateway/local.py holds what the shipped config's own check needs as well."""
+"""The gateway's config as `make local` runs it: gateway/envoy.yaml with this machine's ports,
+the Tritons from files the stack rewrites (EDS from the filesystem), the control plane on the
+Ray head's local port and the identity provider from JWKS_URI. gateway/local.py holds what the
+shipped config's own check needs as well."""
 
 from __future__ import annotations
 
@@ -29,13 +29,6 @@ def jwt_folder(endpoints_file: Path) -> Path:
     return endpoints_file.parent / "jwt"
 
 
-def config_path(settings: Settings) -> Path:
-    """What ships for these settings: the base config or a TLS component's variant."""
-    if settings.tls:
-        return tls.variant_path("mtls" if settings.mtls else "tls")
-    return CONFIG
-
-
 def local_config(settings: Settings, endpoints_file: Path, http_endpoints_file: Path,
                  certificates: Path | None = None,
                  access_log: Path | None = None) -> dict[str, Any]:
@@ -44,7 +37,7 @@ def local_config(settings: Settings, endpoints_file: Path, http_endpoints_file: 
     stack writes it. `access_log`: a file of its own for the access log, apart from Envoy's
     messages (the cluster's goes to the pod's log with them)."""
     config: dict[str, Any] = with_files_here(
-        yaml.safe_load(config_path(settings).read_text()), jwt_folder(endpoints_file))
+        yaml.safe_load(CONFIG.read_text()), jwt_folder(endpoints_file))
     if access_log is not None:
         for log in routes.file_access_logs(config):
             log["path"] = str(access_log)
@@ -100,9 +93,12 @@ def _with_jwks_provider(config: dict[str, Any], settings: Settings) -> None:
 
 
 def gateway_env(s: Settings, admin_key: str) -> dict[str, str]:
-    """Envoy's environment: the admission and front-door settings its Lua reads, and the admin
-    key it adds to the restricted RPCs that pass (gateway/envoy.yaml)."""
-    return {**os.environ, **s.admission_env(), **s.front_door_env(), ADMIN_KEY_ENV: admin_key}
+    """Envoy's environment: the admission and front-door settings its Lua reads, the admin
+    key it adds to the restricted RPCs that pass (gateway/envoy.yaml), and the client listeners'
+    transport as components/tls and components/mtls set it (gateway/start.sh)."""
+    mode = tls.MODE_BY_COMPONENT["mtls" if s.mtls else "tls"] if s.tls else ""
+    return {**os.environ, **s.admission_env(), **s.front_door_env(), ADMIN_KEY_ENV: admin_key,
+            tls.TLS_ENV: mode}
 
 
 def write_token_checks(s: Settings, path: Path) -> str | None:
@@ -120,10 +116,12 @@ def write_token_checks(s: Settings, path: Path) -> str | None:
 
 
 def write_lone_config(s: Settings, folder: Path, grpc_ports: list[int], http_ports: list[int],
-                      shares: dict[str, int] | None = None) -> Path:
+                      shares: dict[str, int] | None = None,
+                      certificates: Path | None = None) -> Path:
     """An Envoy of its own outside any stack (the tests' and benches'): the config for these
     settings in `folder`, its Tritons these ports, the token checks the settings give and the
-    tenant shares given (else those of SONIC_RAY_TENANT_SHARES); the config's path."""
+    tenant shares given (else those of SONIC_RAY_TENANT_SHARES), with TLS on the certificates
+    of tools/certificates.py in `certificates`; the config's path."""
     folder.mkdir(parents=True, exist_ok=True)
     endpoints, http_endpoints = folder / "endpoints.json", folder / "endpoints-http.json"
     write_endpoints(endpoints, grpc_ports)
@@ -134,6 +132,6 @@ def write_lone_config(s: Settings, folder: Path, grpc_ports: list[int], http_por
     tenant_shares.write(discovered / tenant_shares.SHARES_FILE,
                         s.tenant_shares() if shares is None else shares)
     path = folder / "envoy.yaml"
-    path.write_text(yaml.safe_dump(local_config(s, endpoints, http_endpoints, None,
+    path.write_text(yaml.safe_dump(local_config(s, endpoints, http_endpoints, certificates,
                                                 folder / "access.log")))
     return path

@@ -332,8 +332,14 @@ def _tls_facts(facts: Facts, deployment: dict[str, Any], envoy: dict[str, Any],
                                       if "envoy" in str(c.get("image"))), {})
     mounts = [str(m.get("mountPath")) for m in container.get("volumeMounts") or []]
     where = f"Deployment {deployment['metadata'].get('name')} containers[envoy].volumeMounts"
+    mode = str(next((e.get("value") for e in container.get("env") or []
+                     if e.get("name") == tls.TLS_ENV), "") or "")
+    facts.put("gatewayTlsMode", mode,
+              f"Deployment {deployment['metadata'].get('name')} containers[envoy].env"
+              f"[{tls.TLS_ENV}]")
     missing: list[str] = []
-    for name, path in sorted(tls.sds_paths(envoy).items()):
+    # The secrets of the chains this mode serves: a chain no connection reaches needs none.
+    for name, path in sorted(tls.sds_paths(envoy, (tls.CHAIN_BY_MODE.get(mode, ""),)).items()):
         if path.startswith(tls.MOUNTED_AT + "/"):
             text = files.get(path.rsplit("/", 1)[-1])
             if text is None:
@@ -358,9 +364,8 @@ def _tls_facts(facts: Facts, deployment: dict[str, Any], envoy: dict[str, Any],
                            "gateway's ConfigMap)")
     facts.put("gatewayFilesUnmounted", missing,
               f"{source} secrets and filters by discovery, and {where}")
-    listeners = {name: bool(chain.get("transport_socket"))
-                 for name in tls.ALPN
-                 for chain in named(envoy, "listeners", name).get("filter_chains") or []}
+    listeners = {name: bool((tls.selected_chain(envoy, name, mode) or {}).get("transport_socket"))
+                 for name in tls.ALPN}
     env = {e.get("name") for e in container.get("env") or []}
     config_maps = {(o.get("metadata") or {}).get("name"): o.get("data") or {} for o in stream
                    if o.get("kind") == "ConfigMap"}
@@ -397,7 +402,7 @@ def _tls_facts(facts: Facts, deployment: dict[str, Any], envoy: dict[str, Any],
         "listenersInClear": sorted(n for n, on in listeners.items() if not on),
         "tlsInFront": ingress_tls,
         "why": why,
-    }, f"{source} listeners' transport_socket, Deployment "
+    }, f"{source} listeners' transport_socket under {tls.TLS_ENV}, Deployment "
        f"{deployment['metadata'].get('name')} env and annotations, Ingress spec.tls")
     if why:
         print(f"note: {CLEAR_CREDENTIALS_ANNOTATION} on the gateway: {why}", file=sys.stderr)

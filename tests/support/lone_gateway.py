@@ -33,6 +33,7 @@ from local_stack.harness import stack_ports_env
 from local_stack.polling import until
 from local_stack.processes import spawn, terminate
 from local_stack.settings import Settings
+from tools import certificates
 
 ADMIN_KEY = "the-gateways-own-key"
 # A model whose every call the stand-in refuses as Triton refuses a call its full queue cannot
@@ -130,9 +131,22 @@ class LoneGateway:
         gateway.write_endpoints(self.folder / "endpoints.json", grpc_ports)
         gateway.write_endpoints(self.folder / "endpoints-http.json", http_ports, HTTP_CLUSTER)
 
+    # With TLS on (TLS=1 in the settings): the throw-away CA and client certificate.
+    files: certificates.Files | None = None
+
     @property
     def grpc(self) -> str:
         return f"localhost:{self.settings.grpc_port}"
+
+    def grpc_client(self, client_certificate: bool = True) -> tc.InferenceServerClient:
+        """A client of the gRPC listener, over TLS where it is on (with the client
+        certificate unless told not to)."""
+        if self.files is None:
+            return tc.InferenceServerClient(self.grpc)
+        mine = {"private_key": str(self.files.client_key),
+                "certificate_chain": str(self.files.client_cert)} if client_certificate else {}
+        return tc.InferenceServerClient(self.grpc, ssl=True,
+                                        root_certificates=str(self.files.ca), **mine)
 
     @property
     def access_log(self) -> Path:
@@ -172,7 +186,7 @@ def _carries_calls(lone: LoneGateway, envoy: subprocess.Popen[bytes],
                    headers: dict[str, str] | None) -> object:
     if envoy.poll() is not None:
         raise RuntimeError(f"Envoy exited ({envoy.returncode}): {lone.log.read_text()[-2000:]}")
-    client = tc.InferenceServerClient(lone.grpc)
+    client = lone.grpc_client()
     try:
         return client.is_server_ready(headers=headers) or "not ready"
     except InferenceServerException as error:
@@ -206,12 +220,14 @@ def lone_gateway(folder: Path, env: dict[str, str],
             for name, value in env.items():
                 patch.setenv(name, value)
             settings = Settings.from_env(env)
-            config = write_lone_config(settings, folder, [grpc_port], [http.server_address[1]])
+            files = certificates.write_local(folder / "certificates")[0] if settings.tls else None
+            config = write_lone_config(settings, folder, [grpc_port], [http.server_address[1]],
+                                       certificates=folder / "certificates" if files else None)
             log = folder / "envoy.log"
             envoy: subprocess.Popen[bytes] = spawn(gateway.command(config), log,
                                                    gateway_env(settings, ADMIN_KEY))
         stack.callback(terminate, envoy, 5)
-        lone = LoneGateway(settings, seen, folder, log, (grpc_port, http.server_address[1]))
+        lone = LoneGateway(settings, seen, folder, log, (grpc_port, http.server_address[1]), files)
         until("Envoy to carry calls to the stand-in Triton",
               lambda: _carries_calls(lone, envoy, ready_headers), 30)
         yield lone

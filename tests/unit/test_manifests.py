@@ -4,6 +4,7 @@ known-good one (gatekeeper-library style: tests/fixtures/invariants/<invariant>/
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -295,30 +296,56 @@ def test_the_gateway_config_is_what_make_gateway_config_writes() -> None:
     assert render(text, allowed_admin_rpcs(yaml.safe_load(SERVE_CONFIG.read_text()))) == text
 
 
-def test_the_tls_variants_are_what_make_gateway_config_writes() -> None:
+def test_the_tls_secrets_documents_are_what_make_gateway_config_writes() -> None:
     from gateway import tls
 
     assert tls.main(["--check"]) == 0
 
 
-def test_the_tls_variants_speak_only_tls_and_mtls_asks_for_a_certificate() -> None:
-    """Both client listeners, no filter chain left in clear, TLS 1.2 at least, h2 for gRPC;
-    only the mtls variant requires a client certificate, verified against the site's CA."""
+@pytest.mark.parametrize("components", [(), ("tls",), ("tls", "mtls")],
+                         ids=["clear", "tls", "mtls"])
+def test_the_tls_components_pick_a_chain_that_speaks_only_tls(components: tuple[str, ...],
+                                                              tmp_path: Path) -> None:
+    """As built with the components: the envoy container's SONIC_RAY_TLS picks, on both client
+    listeners, a chain with TLS 1.2 at least and h2 for gRPC (in clear without them); only
+    with mtls a client certificate is required and verified against the site's CA, and only the
+    secrets of the chain in use are asked for."""
     from gateway import tls
-    from gateway.routes import named
 
-    for component, client_certificates in tls.VARIANTS.items():
-        config = yaml.safe_load(tls.variant_path(component).read_text())
-        for listener, alpn in tls.ALPN.items():
-            for chain in named(config, "listeners", listener)["filter_chains"]:
-                socket = chain["transport_socket"]["typed_config"]
-                context = socket["common_tls_context"]
-                assert context["tls_params"]["tls_minimum_protocol_version"] == "TLSv1_2"
-                assert context["alpn_protocols"] == alpn
-                assert socket.get("require_client_certificate", False) is client_certificates
-                assert ("validation_context_sds_secret_config" in context) is client_certificates
-        assert sorted(tls.sds_paths(config)) == sorted(
-            [tls.SERVER_CERTIFICATE] + ([tls.CLIENT_CA] if client_certificates else []))
+    def here(path: Path) -> str:  # Kustomize takes no absolute path to another root
+        return os.path.relpath(path, tmp_path)
+
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "resources": [here(ROOT / "overlays" / "purdue-af")],
+        "components": [here(ROOT / "components" / c) for c in components]}))
+    built = objects(build(tmp_path))
+    (gateway,) = [o for o in built if o["kind"] == "Deployment"
+                  and o["metadata"]["name"] == "triton-gateway"]
+    (container,) = [c for c in gateway["spec"]["template"]["spec"]["containers"]
+                    if c["name"] == "envoy"]
+    mode = next((e["value"] for e in container.get("env", []) if e["name"] == tls.TLS_ENV), "")
+    assert mode == (tls.MODE_BY_COMPONENT[components[-1]] if components else "")
+    (files,) = [o["data"] for o in built if o["kind"] == "ConfigMap"
+                and "envoy.yaml" in o.get("data", {})]
+    config = yaml.safe_load(files["envoy.yaml"])
+    client_certificates = "mtls" in components
+    for listener, alpn in tls.ALPN.items():
+        chain = tls.selected_chain(config, listener, mode)
+        assert chain is not None, (listener, mode)
+        if not components:
+            assert "transport_socket" not in chain
+            continue
+        socket = chain["transport_socket"]["typed_config"]
+        context = socket["common_tls_context"]
+        assert context["tls_params"]["tls_minimum_protocol_version"] == "TLSv1_2"
+        assert context["alpn_protocols"] == alpn
+        assert socket.get("require_client_certificate", False) is client_certificates
+        assert ("validation_context_sds_secret_config" in context) is client_certificates
+    chain_name = tls.CHAIN_BY_MODE[mode]
+    assert sorted(tls.sds_paths(config, (chain_name,))) == sorted(
+        ([tls.SERVER_CERTIFICATE] if components else [])
+        + ([tls.CLIENT_CA] if client_certificates else []))
 
 
 def test_a_site_with_token_checks_ships_its_config_and_settings_to_the_gateway() -> None:
