@@ -20,13 +20,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import os
+import re
 import ssl
 import statistics
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -39,7 +41,7 @@ from tritonclient.utils import InferenceServerException
 
 from bench.calls import RESULTS, SIZES, Measured, cpu_s, measure_grpc, timed
 from local_stack import triton
-from local_stack.harness import TLS_LINE, RunningStack, running_stack
+from local_stack.harness import TLS_LINE, RunningStack, StackProcess, running_stack
 from local_stack.ray_cluster import replicas
 
 # The stack's environment per mode: "gateway" (the default data path) and "serve" (Serve's
@@ -201,11 +203,7 @@ def run_mode(mode: str, protocols: list[str], sizes: list[str], concurrencies: l
         ca = (Path(stack.wait_for_line(TLS_LINE, timeout_s=5).group(1))
               if MODES[mode].get("TLS") == "1" else None)
         tls_triton = extra.enter_context(_triton_with_tls(running, ca)) if ca else None
-        # Each process the stack starts leads a session of its own.
-        sids = Sessions(ray=[stack.ray_pid(),
-                             *stack.pids(r"pod \d+: Ray node started \(pid (\d+)\)")],
-                        envoy=stack.pids(r"Envoy started \(pid (\d+)\)"),
-                        triton=stack.triton_pid())
+        sids = _sessions(stack)
         replica = _replica_grpc_port(running)
         _wait_until_quiet()
         only = MODE_CELLS.get(mode)
@@ -225,17 +223,9 @@ def run_mode(mode: str, protocols: list[str], sizes: list[str], concurrencies: l
             samples: dict[str, list[Sample]] = {path: [] for path in urls}
             for _ in range(repeats):
                 for path, (url, trusted, triton_sid) in urls.items():
-                    env0, ray0 = cpu_s(sids.envoy), cpu_s(sids.ray)
-                    tri0, own0, machine0 = cpu_s([triton_sid]), _own_cpu_s(), _machine_ticks()
-                    started = time.monotonic()
-                    count, latencies, errors = asyncio.run(MEASURE[protocol](
-                        url, size, concurrency, seconds, trusted))
-                    elapsed = time.monotonic() - started
-                    busy = _busy_share(machine0, _machine_ticks())
-                    samples[path].append(Sample(
-                        count / elapsed, latencies, errors, cpu_s(sids.envoy) - env0,
-                        cpu_s(sids.ray) - ray0, cpu_s([triton_sid]) - tri0,
-                        _own_cpu_s() - own0, busy))
+                    samples[path].append(whole_sample(stack.lines, functools.partial(
+                        _sample, stack, protocol, size, concurrency, seconds, url, trusted,
+                        triton_sid), f"{mode} {protocol} {size} c={concurrency} {path}"))
             for path, runs in samples.items():
                 cells.append(_cell(mode, protocol, size, concurrency, path, runs))
             latest = {c.path: c for c in cells[-len(urls):]}
@@ -243,6 +233,52 @@ def run_mode(mode: str, protocols: list[str], sizes: list[str], concurrencies: l
                 f"{path} {c.rps:8.1f} req/s ({c.rps / latest['direct'].rps:4.2f})"
                 for path, c in latest.items()), flush=True)
     return cells
+
+
+# What the stack prints when a process it supervises ends (local_stack/processes.py, Supervisor):
+# a sample across it counts the CPU of a process that is gone and misses its successor's, and
+# its calls meet the restart.
+EXITED = re.compile(r"exited with status")
+SAMPLE_TRIES = 3
+
+
+def whole_sample(lines: list[str], sample: Callable[[], Sample], what: str) -> Sample:
+    """A sample during which no process of the stack ended: one that saw an end is said and
+    measured again, SAMPLE_TRIES times at most, then the bench stops rather than report it."""
+    for _ in range(SAMPLE_TRIES):
+        ended = sum(1 for line in lines if EXITED.search(line))
+        taken = sample()
+        if sum(1 for line in lines if EXITED.search(line)) == ended:
+            return taken
+        print(f"  {what}: a process of the stack ended during the sample "
+              f"({[line for line in lines if EXITED.search(line)][-1].strip()}): measured again",
+              flush=True)
+    raise RuntimeError(f"{what}: a process of the stack ended during each of {SAMPLE_TRIES} "
+                       "samples; no figure is given for a cell measured across restarts")
+
+
+def _sample(stack: StackProcess, protocol: str, size: str, concurrency: int, seconds: float,
+            url: str, trusted: Path | None, triton_sid: int) -> Sample:
+    """One path's calls for `seconds`, and the CPU each part spent on them."""
+    sids = _sessions(stack)  # the sessions now: a restarted process's successor's too
+    env0, ray0 = cpu_s(sids.envoy), cpu_s(sids.ray)
+    tri0, own0, machine0 = cpu_s([triton_sid]), _own_cpu_s(), _machine_ticks()
+    started = time.monotonic()
+    count, latencies, errors = asyncio.run(MEASURE[protocol](
+        url, size, concurrency, seconds, trusted))
+    elapsed = time.monotonic() - started
+    busy = _busy_share(machine0, _machine_ticks())
+    return Sample(count / elapsed, latencies, errors, cpu_s(sids.envoy) - env0,
+                  cpu_s(sids.ray) - ray0, cpu_s([triton_sid]) - tri0, _own_cpu_s() - own0,
+                  busy)
+
+
+def _sessions(stack: StackProcess) -> Sessions:
+    """Each process the stack starts leads a session of its own; the latest of each."""
+    return Sessions(ray=[stack.ray_pid(),
+                         *stack.pids(r"pod \d+: Ray node started \(pid (\d+)\)")],
+                    envoy=stack.pids(r"Envoy started \(pid (\d+)\)"),
+                    triton=stack.triton_pid())
 
 
 @dataclass

@@ -86,6 +86,13 @@ class StandInTriton(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ign
             context.abort(grpc.StatusCode.UNAVAILABLE, f"{QUEUE_FULL} (a stand-in's words)")
         return service_pb2.ModelInferResponse(model_name=request.model_name)
 
+    def ModelStreamInfer(self, requests: Iterator[Any],  # noqa: N802
+                         context: grpc.ServicerContext) -> Iterator[Any]:
+        self._saw("ModelStreamInfer", context)
+        for request in requests:
+            yield service_pb2.ModelStreamInferResponse(
+                infer_response=service_pb2.ModelInferResponse(model_name=request.model_name))
+
 
 def _serving(request: bytes, context: grpc.ServicerContext) -> bytes:
     return b"\x08\x01"  # grpc.health.v1.HealthCheckResponse{status: SERVING}

@@ -20,7 +20,10 @@ def test_the_bare_envoy_is_the_gateways_config_with_the_router_alone() -> None:
     shipped = yaml.safe_load(gateway.CONFIG.read_text())
     floor = node.bare(shipped)
     (listener,) = floor["static_resources"]["listeners"]
-    manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    # One chain, in clear: no TLS chains beside it, no matcher choosing among them.
+    (chain,) = listener["filter_chains"]
+    assert "transport_socket" not in chain and "filter_chain_matcher" not in listener
+    manager = chain["filters"][0]["typed_config"]
     assert [f["name"] for f in manager["http_filters"]] == ["envoy.filters.http.router"]
     assert "access_log" not in manager
     assert manager["http2_protocol_options"] == named(shipped, "listeners", GRPC_LISTENER)[
