@@ -51,6 +51,13 @@ async def _body(request: Request) -> AsyncIterator[bytes]:
             yield chunk
 
 
+# How long a connection to Triton may sit idle before this pod closes it. Triton's graceful
+# stop waits for every HTTP connection to close (--exit-timeout-secs, then it exits 1, "failed
+# to stop server"): one the warm-up left idle held a deleted pod's Triton for the whole timeout
+# (tests/stack/test_gateway.py, the pod removed as a scale-down).
+IDLE_CLOSE_S = 2.0
+
+
 class HttpForwarder:
     def __init__(self, address: str, allowed: frozenset[str], tokens: TokenCheck | None,
                  admin_key: str) -> None:
@@ -67,7 +74,7 @@ class HttpForwarder:
             self._session = aiohttp.ClientSession(
                 auto_decompress=False,
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
-                connector=aiohttp.TCPConnector(limit=0),
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=IDLE_CLOSE_S),
             )
         return self._session
 
