@@ -245,14 +245,17 @@ SAMPLE_TRIES = 3
 def whole_sample(lines: list[str], sample: Callable[[], Sample], what: str) -> Sample:
     """A sample during which no process of the stack ended: one that saw an end is said and
     measured again, SAMPLE_TRIES times at most, then the bench stops rather than report it."""
+    def ends() -> list[str]:
+        return [line for line in lines if EXITED.search(line)]
+
     for _ in range(SAMPLE_TRIES):
-        ended = sum(1 for line in lines if EXITED.search(line))
+        before = len(ends())
         taken = sample()
-        if sum(1 for line in lines if EXITED.search(line)) == ended:
+        after = ends()
+        if len(after) == before:
             return taken
         print(f"  {what}: a process of the stack ended during the sample "
-              f"({[line for line in lines if EXITED.search(line)][-1].strip()}): measured again",
-              flush=True)
+              f"({after[-1].strip()}): measured again", flush=True)
     raise RuntimeError(f"{what}: a process of the stack ended during each of {SAMPLE_TRIES} "
                        "samples; no figure is given for a cell measured across restarts")
 

@@ -18,7 +18,8 @@ unchecked=100
 tls_server=0
 tls_mutual=0
 case "${SONIC_RAY_TLS:-}" in
-  "") ;;
+  "") transport="in clear (SONIC_RAY_TLS unset): Envoy may warn once that the TLS chains'\
+ certificate folder is absent" ;;
   server) tls_server=100 ;;
   mutual) tls_mutual=100; unchecked=0 ;;
   *) echo "[gateway] SONIC_RAY_TLS=${SONIC_RAY_TLS} is not server, mutual or empty" >&2
@@ -37,10 +38,6 @@ else
   echo "[gateway] the client checks run on job starts only: nothing checks or names callers" \
     "(components/mtls runs them on every call)" >&2
 fi
-case "${SONIC_RAY_TLS:-}" in
-  "") echo "[gateway] client listeners in clear (SONIC_RAY_TLS unset): Envoy may warn once" \
-        "that the TLS chains' certificate folder is absent" >&2 ;;
-  *) echo "[gateway] client listeners speak TLS only (SONIC_RAY_TLS=${SONIC_RAY_TLS})" >&2 ;;
-esac
+echo "[gateway] client listeners ${transport:-speak TLS only (SONIC_RAY_TLS=${SONIC_RAY_TLS:-})}" >&2
 exec "${ENVOY:-envoy}" "$@" --config-yaml \
   "{layered_runtime: {layers: [{name: site, static_layer: {sonic_ray.calls_unchecked: $unchecked, sonic_ray.tls_server: $tls_server, sonic_ray.tls_mutual: $tls_mutual}}]}}"

@@ -8,9 +8,6 @@ tests/stack/test_token_auth.py."""
 from __future__ import annotations
 
 import collections
-import contextlib
-import json
-import queue
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,7 +19,13 @@ from tritonclient.utils import InferenceServerException
 
 from local_stack.polling import until
 from tests.support.callers import counters_after, lines_since, tenant_counters
-from tests.support.echo import echo_inputs, infer_with_token, outcome
+from tests.support.echo import (
+    echo_inputs,
+    http_refusals,
+    infer_with_token,
+    outcome,
+    stream_with_token,
+)
 from tests.support.lone_gateway import LoneGateway, lone_gateway
 from tests.support.raw_http import request
 
@@ -84,15 +87,7 @@ def test_known_tokens_pass_and_are_not_passed_on_to_triton(tokens: TokenGateway)
 
 
 def test_http_requests_without_a_known_token_get_401(tokens: TokenGateway) -> None:
-    for token in (None, "not-a-token", FIRST + "x"):
-        headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
-        for method, path in (("GET", "/v2/health/ready"), ("GET", "/v2/models/echo_headers"),
-                             ("POST", "/v2/repository/index")):
-            status, answer_headers, body = request(tokens.http_url, method, path,
-                                                   headers=headers)
-            assert status == 401, (token, path, status, body)
-            assert "Bearer" in json.loads(body)["error"]  # Triton's error shape, says what to send
-            assert answer_headers.get("www-authenticate") == "Bearer"
+    assert http_refusals(tokens.http_url, (None, "not-a-token", FIRST + "x")) == []
 
 
 def test_http_known_tokens_pass_and_are_not_passed_on_to_triton(tokens: TokenGateway) -> None:
@@ -109,24 +104,10 @@ def test_http_known_tokens_pass_and_are_not_passed_on_to_triton(tokens: TokenGat
 
 
 def test_streams_are_checked_too(tokens: TokenGateway) -> None:
-    def stream(token: str | None) -> object:
-        results: queue.Queue[object] = queue.Queue()
-        client = tc.InferenceServerClient(tokens.url)
-        headers = {"authorization": f"Bearer {token}"} if token else None
-        client.start_stream(callback=lambda result, error: results.put(error or result),
-                            headers=headers, stream_timeout=30)
-        try:
-            # The gateway may refuse the stream before the request is sent.
-            with contextlib.suppress(InferenceServerException):
-                client.async_stream_infer("echo_headers", echo_inputs())
-            return results.get(timeout=30)  # the refusal comes through the callback either way
-        finally:
-            client.stop_stream()
-
-    refused = stream(None)
+    refused = stream_with_token(tokens.url, None)
     assert isinstance(refused, InferenceServerException), refused
     assert refused.status() == "StatusCode.UNAUTHENTICATED"
-    assert not isinstance(stream(FIRST), InferenceServerException)
+    assert not isinstance(stream_with_token(tokens.url, FIRST), InferenceServerException)
     assert tokens.lone.seen.headers_of("/ModelStreamInfer"), "the stream never reached Triton"
 
 

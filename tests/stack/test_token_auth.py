@@ -6,9 +6,6 @@ gateway of its own (tests/gateway/test_token_auth.py)."""
 
 from __future__ import annotations
 
-import contextlib
-import json
-import queue
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,8 +18,13 @@ from tritonclient.utils import InferenceServerException
 
 from local_stack.harness import RunningStack, processes_left_behind, running_stack
 from local_stack.polling import until
-from tests.support.echo import echo_inputs, infer_with_token, outcome
-from tests.support.raw_http import request
+from tests.support.echo import (
+    echo_inputs,
+    http_refusals,
+    infer_with_token,
+    outcome,
+    stream_with_token,
+)
 
 FIRST = "tok-first-5f1c0a"
 SECOND = "tok-second-9e27b4"
@@ -78,15 +80,7 @@ def test_known_tokens_pass_and_are_not_passed_on_to_triton(auth_stack: AuthStack
 
 
 def test_http_requests_without_a_known_token_get_401(auth_stack: AuthStack) -> None:
-    for token in (None, "not-a-token", FIRST + "x"):
-        headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
-        for method, path in (("GET", "/v2/health/ready"), ("GET", "/v2/models/echo_headers"),
-                             ("POST", "/v2/repository/index")):
-            status, answer_headers, body = request(auth_stack.http_url, method, path,
-                                                   headers=headers)
-            assert status == 401, (token, path, status, body)
-            assert "Bearer" in json.loads(body)["error"]  # Triton's error shape, says what to send
-            assert answer_headers.get("www-authenticate") == "Bearer"
+    assert http_refusals(auth_stack.http_url, (None, "not-a-token", FIRST + "x")) == []
 
 
 def test_http_known_tokens_pass_and_are_not_passed_on_to_triton(auth_stack: AuthStack) -> None:
@@ -102,24 +96,10 @@ def test_http_known_tokens_pass_and_are_not_passed_on_to_triton(auth_stack: Auth
 
 
 def test_streams_are_checked_too(auth_stack: AuthStack) -> None:
-    def stream(token: str | None) -> object:
-        results: queue.Queue[object] = queue.Queue()
-        client = tc.InferenceServerClient(auth_stack.url)
-        headers = {"authorization": f"Bearer {token}"} if token else None
-        client.start_stream(callback=lambda result, error: results.put(error or result),
-                            headers=headers, stream_timeout=30)
-        try:
-            # The gateway may refuse the stream before the request is sent.
-            with contextlib.suppress(InferenceServerException):
-                client.async_stream_infer("echo_headers", echo_inputs())
-            return results.get(timeout=30)  # the refusal comes through the callback either way
-        finally:
-            client.stop_stream()
-
-    refused = stream(None)
+    refused = stream_with_token(auth_stack.url, None)
     assert isinstance(refused, InferenceServerException), refused
     assert refused.status() == "StatusCode.UNAUTHENTICATED"
-    assert not isinstance(stream(FIRST), InferenceServerException)
+    assert not isinstance(stream_with_token(auth_stack.url, FIRST), InferenceServerException)
 
 
 def test_a_rotated_secret_takes_effect_without_a_restart(auth_stack: AuthStack) -> None:

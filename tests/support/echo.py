@@ -4,6 +4,9 @@ gateway tier's stand-in Triton answers it too."""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import queue
 from collections.abc import Callable
 
 import numpy as np
@@ -11,6 +14,7 @@ import tritonclient.grpc as tc
 from tritonclient.utils import InferenceServerException
 
 from local_stack.triton_inputs import tensor
+from tests.support.raw_http import request
 
 
 def echo_inputs() -> list[tc.InferInput]:
@@ -32,3 +36,35 @@ def infer_with_token(url: str, token: str | None) -> str:
     client = tc.InferenceServerClient(url)
     return outcome(lambda: client.infer("echo_headers", echo_inputs(), headers=headers,
                                         client_timeout=30))
+
+
+def stream_with_token(url: str, token: str | None) -> object:
+    """echo_headers over one ModelStreamInfer stream with that token: its first result, or the
+    error that ended it (the refusal comes through the callback whether the gateway refuses the
+    stream before or after the request is sent)."""
+    results: queue.Queue[object] = queue.Queue()
+    client = tc.InferenceServerClient(url)
+    headers = {"authorization": f"Bearer {token}"} if token else None
+    client.start_stream(callback=lambda result, error: results.put(error or result),
+                        headers=headers, stream_timeout=30)
+    try:
+        with contextlib.suppress(InferenceServerException):
+            client.async_stream_infer("echo_headers", echo_inputs())
+        return results.get(timeout=30)
+    finally:
+        client.stop_stream()
+
+
+def http_refusals(http_url: str, tokens: tuple[str | None, ...]) -> list[str]:
+    """Each HTTP call with one of `tokens` (None: no header) that was not refused as a missing
+    token is (401, Triton's error shape saying what to send, WWW-Authenticate: Bearer)."""
+    wrong = []
+    for token in tokens:
+        headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
+        for method, path in (("GET", "/v2/health/ready"), ("GET", "/v2/models/echo_headers"),
+                             ("POST", "/v2/repository/index")):
+            status, answer_headers, body = request(http_url, method, path, headers=headers)
+            if not (status == 401 and "Bearer" in json.loads(body or "{}").get("error", "")
+                    and answer_headers.get("www-authenticate") == "Bearer"):
+                wrong.append(f"{token} {method} {path}: {status} {answer_headers} {body!r}")
+    return wrong
