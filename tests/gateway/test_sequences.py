@@ -23,7 +23,8 @@ import tritonclient.grpc as tc
 import tritonclient.http as th
 from tritonclient.utils import InferenceServerException
 
-from gateway.routes import SEQUENCE_NOT_HELD
+from gateway import local as gateway
+from gateway.routes import HTTP_CLUSTER, SEQUENCE_NOT_HELD
 from local_stack import triton
 from local_stack.polling import until
 from local_stack.ports import free_ports
@@ -97,6 +98,14 @@ class TwoPods:
     pods: list[Pod]
     settings: Settings
     admin_port: int
+    # The gateway's folder: its discovery files (endpoints.json, endpoints-http.json).
+    folder: Path
+
+    def list_pods(self, pods: list[Pod]) -> None:
+        """The pods the headless Service lists now (the gateway's discovery)."""
+        gateway.write_endpoints(self.folder / "endpoints.json", [p.ports.grpc for p in pods])
+        gateway.write_endpoints(self.folder / "endpoints-http.json", [p.ports.http for p in pods],
+                                HTTP_CLUSTER)
 
     @property
     def grpc(self) -> str:
@@ -132,7 +141,7 @@ def two_pods(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TwoPods]:
             until(f"Triton {pod.index} ready", pod.ready, 120, every_s=0.5)
         with envoy_before(work / "gateway", {}, [p.ports.grpc for p in pods],
                           [p.ports.http for p in pods]) as (settings, log, envoy, _):
-            running = TwoPods(pods, settings, settings.gateway_admin_port)
+            running = TwoPods(pods, settings, settings.gateway_admin_port, work / "gateway")
 
             def both_healthy() -> object:
                 if envoy.poll() is not None:
@@ -248,6 +257,55 @@ def test_calls_without_a_sequence_are_still_balanced_per_call(two_pods: TwoPods)
     ran = [after - earlier for after, earlier in
            zip(two_pods.executions(PLAIN), before, strict=True)]
     assert sum(ran) == calls and min(ran) >= calls // 4, f"calls per Triton: {ran}"
+
+
+def test_a_pod_added_under_sequence_load_takes_no_live_sequence_over(two_pods: TwoPods) -> None:
+    """A scale-up while sequences run (a hash ring would remap some to the new pod, the defect
+    again): every live sequence's sums stay right, new sequences and plain calls reach the new
+    pod too."""
+    client = tc.InferenceServerClient(two_pods.grpc)
+    third = Pod(2, two_pods.pods[0].repository, two_pods.pods[0].backends,
+                two_pods.pods[0].log.with_name("triton-2.log"))
+    live = {8000 + s: 0 for s in range(SEQUENCES)}
+    wrong: list[str] = []
+
+    def step(sequences: dict[int, int], start: bool = False, end: bool = False) -> None:
+        for sequence in sequences:
+            sequences[sequence] += sequence % 100 + 1
+            got = _grpc_call(client, sequence, sequence % 100 + 1, start, end)
+            if got != sequences[sequence]:
+                wrong.append(f"sequence {sequence}: {got}, not {sequences[sequence]}")
+
+    try:
+        step(live, start=True)
+        step(live)
+        third.start()
+        until("Triton 2 ready", third.ready, 120, every_s=0.5)
+        two_pods.list_pods([*two_pods.pods, third])
+        until("the gateway to count three Tritons healthy",
+              lambda: two_pods.healthy() == 3 or f"{two_pods.healthy()} healthy", 30)
+        before = third.executions("sequence_sum"), third.executions(PLAIN)
+        for _ in range(4):
+            step(live)
+        fresh = {9000 + s: 0 for s in range(SEQUENCES)}
+        step(fresh, start=True)
+        step(live, end=True)
+        step(fresh, end=True)
+        tensor = tc.InferInput("INPUT", [4], "FP32")
+        tensor.set_data_from_numpy(np.ones(4, np.float32))
+        for _ in range(60):
+            client.infer(PLAIN, [tensor])
+        taken = (third.executions("sequence_sum") - before[0],
+                 third.executions(PLAIN) - before[1])
+    finally:
+        client.close()
+        two_pods.list_pods(two_pods.pods)
+        if third.process is not None:
+            terminate(third.process, 15)
+    assert not wrong, f"{len(wrong)} wrong after a pod joined: {wrong[:5]}"
+    # The new pod ran calls of the new sequences (START and END of some) and of the plain model
+    # (LEAST_REQUEST over three: about a third), none of the live sequences'.
+    assert taken[0] > 0 and taken[1] >= 60 // 6, f"the new pod's share: {taken}"
 
 
 def test_a_sequence_whose_triton_died_fails_with_tritons_own_refusal(two_pods: TwoPods) -> None:
