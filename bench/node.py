@@ -11,7 +11,8 @@ cores of their own (taskset). Prints a table and the hot-path issue's targets, w
 a PNG plot to bench-results/.
 
     python -m bench.node [--seconds 3] [--repeats 3] [--cells small:1 small:8 ...]
-                         [--paths direct gateway envoy-bare haproxy-l7 l4 gateway-checked]
+                         [--paths direct gateway envoy-bare haproxy-l7 l4 gateway-checked
+                                  gateway-no-sequences]
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from tritonclient.utils import InferenceServerException
 
 from bench.calls import RESULTS, SIZES, cpu_s, measure_grpc
 from gateway import local as gateway
-from gateway.routes import GRPC_LISTENER, named
+from gateway.routes import GRPC_LISTENER, HTTP_LISTENER, named
 from local_stack import triton
 from local_stack.gateway_config import gateway_env, write_lone_config
 from local_stack.polling import until
@@ -53,6 +54,9 @@ from triton_pod.access import TOKENS_FILE_ENV
 # What a gateway pod requests (gateway/gateway.yaml: cpu "2"), and Envoy's workers there.
 PROXY_CORES = 2
 PATHS = ("direct", "gateway", "envoy-bare", "haproxy-l7", "l4", "gateway-checked")
+# Asked for by name (--paths): the shipped gateway without the retries that find a sequence's
+# Triton (what those cost calls without a sequence: the stateful-sequences issue's bound).
+OPTIONAL_PATHS = ("gateway-no-sequences",)
 # The gateway with every per-call check a site may configure that needs no identity provider:
 # bearer tokens, a tenant map and a tenant share no call reaches (gateway/start.sh then runs
 # the client checks on every call).
@@ -153,6 +157,25 @@ def bare(config: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
+def without_sequence_retries(config: dict[str, Any]) -> dict[str, Any]:
+    """The gateway's config with its retry policies retrying only calls that never reached a
+    Triton, as before sequences were routed (gateway/envoy.yaml)."""
+    config = copy.deepcopy(config)
+    for listener in (GRPC_LISTENER, HTTP_LISTENER):
+        for chain in named(config, "listeners", listener).get("filter_chains") or []:
+            for network_filter in chain.get("filters") or []:
+                routes = (network_filter.get("typed_config") or {}).get("route_config") or {}
+                for host in routes.get("virtual_hosts") or []:
+                    for policy in [host.get("retry_policy") or {}] + [
+                            (r.get("route") or {}).get("retry_policy") or {}
+                            for r in host.get("routes") or []]:
+                        if policy:
+                            policy["retry_on"] = "connect-failure,refused-stream,reset-before-request"
+                            policy.pop("retriable_headers", None)
+                            policy.pop("retriable_status_codes", None)
+    return config
+
+
 def haproxy_config(port: int, triton_grpc: int, layer: str) -> str:
     mode = ("mode tcp", "", "") if layer == "l4" else ("mode http", " proto h2", " proto h2")
     return "\n".join([
@@ -189,6 +212,13 @@ def proxies(work: Path, triton_grpc: int, triton_http: int, cores: Cores,
             [*envoy_args, str(path)])), work / "gateway-checked.log",
             {**env, **CHECKED_ENV, TOKENS_FILE_ENV: str(tokens)})
         addresses["gateway-checked"] = f"localhost:{checked_settings.grpc_port}"
+    if "gateway-no-sequences" in paths:
+        path, plain_settings = _gateway_config(work / "no-sequences", triton_grpc, triton_http)
+        path.write_text(yaml.safe_dump(without_sequence_retries(yaml.safe_load(path.read_text()))))
+        started["gateway-no-sequences"] = spawn(cores.pinned(cores.proxy, gateway.started(
+            [*envoy_args, str(path)])), work / "gateway-no-sequences.log",
+            gateway_env(plain_settings, secrets.token_hex(16)))
+        addresses["gateway-no-sequences"] = f"localhost:{plain_settings.grpc_port}"
     if "envoy-bare" in paths:
         floor = bare(config)
         port, admin = free_ports(2)
@@ -356,6 +386,12 @@ def targets(cells: list[Cell]) -> list[str]:
         if value is not None:
             met = value >= limit if above else value <= limit
             found.append(f"{label}: {value:.2f} ({'met' if met else 'not met'})")
+    for size, k in (("small", 8), ("1MiB", 16)):
+        g, plain = by.get(("gateway", size, k)), by.get(("gateway-no-sequences", size, k))
+        if g and plain:
+            added = g.proxy_cpu_us_per_call / max(plain.proxy_cpu_us_per_call, 1e-9)
+            found.append(f"gateway CPU per call / the same without the sequence retries, {size} "
+                         f"c{k} (<= 1.05): {added:.2f} ({'met' if added <= 1.05 else 'not met'})")
     g, b = by.get(("gateway", "small", 1)), by.get(("envoy-bare", "small", 1))
     if g and b:
         added = g.p50_ms - b.p50_ms
@@ -401,7 +437,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cells", nargs="+", type=_cell_arg, default=list(CELLS))
-    parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS)
+    parser.add_argument("--paths", nargs="+", default=list(PATHS),
+                        choices=PATHS + OPTIONAL_PATHS)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     paths = ["direct", *(p for p in args.paths if p != "direct")]

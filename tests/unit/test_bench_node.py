@@ -13,7 +13,7 @@ import yaml
 
 from bench import node
 from gateway import local as gateway
-from gateway.routes import GRPC_LISTENER, named
+from gateway.routes import GRPC_LISTENER, HTTP_LISTENER, named, sequence_tries
 
 
 def test_the_bare_envoy_is_the_gateways_config_with_the_router_alone() -> None:
@@ -31,6 +31,22 @@ def test_the_bare_envoy_is_the_gateways_config_with_the_router_alone() -> None:
     assert floor["static_resources"]["clusters"] == shipped["static_resources"]["clusters"]
     # The shipped config is left as it was.
     assert len(shipped["static_resources"]["listeners"]) > 1
+
+
+def test_the_gateway_without_sequences_differs_only_in_its_retries() -> None:
+    shipped = yaml.safe_load(gateway.CONFIG.read_text())
+    assert all(sequence_tries(shipped).values()), sequence_tries(shipped)
+    plain = node.without_sequence_retries(shipped)
+    assert set(sequence_tries(plain).values()) == {None}
+    # Only the retry conditions change: the rest of the config is the shipped one.
+    for config in (shipped, plain):
+        for listener in (GRPC_LISTENER, HTTP_LISTENER):
+            for chain in named(config, "listeners", listener)["filter_chains"]:
+                for host in chain["filters"][0]["typed_config"]["route_config"]["virtual_hosts"]:
+                    for route in host["routes"]:
+                        (route.get("route") or {}).pop("retry_policy", None)
+                    host.pop("retry_policy", None)
+    assert plain == shipped
 
 
 def test_cores_apart_only_where_there_are_enough() -> None:
