@@ -58,9 +58,12 @@ def _start(warmup: bool, calls: int) -> Start:
                     took.append(time.monotonic() - called)
             finally:
                 client.close()
-            logs = stack.process.workdir().glob("ray/session_*/logs/serve/replica_*.log")
-            lines = [line.split(" -- ")[-1] for log in sorted(logs)
-                     for line in log.read_text().splitlines() if "warm-up:" in line]
+            # Each replica's line for its pod (session_latest is a link to the session).
+            logs = stack.process.workdir().glob("ray/session_2*/logs/serve/replica_*.log")
+            said = (line.split(" -- ")[-1] for log in sorted(logs)
+                    for line in log.read_text().splitlines())
+            lines = [line for line in said if line.startswith("warm-up: ") and (
+                "models warm in" in line or "turned off" in line)]
         return Start(warmup, ready_s, took, lines)
     finally:
         shutil.rmtree(work, ignore_errors=True)
