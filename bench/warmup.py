@@ -1,7 +1,7 @@
 """What the warm-up costs at start and what it saves the first calls (docs/operations.md,
 "Warm-up"): `make local` with two pods holding replicas, once with the warm-up on and once
-turned off, the model tests/warmup_models/first_slow (3 s on each instance's first execution,
-then milliseconds) beside the example and test models. For each: seconds from the start to
+turned off, serving the model tests/warmup_models/first_slow alone (3 s on each instance's
+first execution, then milliseconds). For each: seconds from the start to
 the ready line, the first calls' latencies through the gateway (spread over both pods), and
 each replica's warm-up line. JSON to bench-results/.
 
