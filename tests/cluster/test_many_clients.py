@@ -1,6 +1,6 @@
 """Thousands of CMSSW jobs each hold a channel: 2,000 client connections through the Service IP,
-each calling in a loop for 60 s, none refused or reset, the gateway's memory under its limit;
-the p99 beside 2,000 connections to one Triton directly, in the same run."""
+each calling in a loop for 60 s (two of the gateway's keepalive pings), none refused or reset,
+the gateway's memory under its limit. How fast is `make bench`'s to say, not this test's."""
 
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ def _summary(latencies: list[float]) -> str:
 
 
 def test_two_thousand_connections_through_the_service_ip(cluster: Cluster) -> None:
-    pods = cluster.settled(3)
+    cluster.settled(3)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 65536)), hard))
     envoys = [cluster.pid(gateway, "envoy") for gateway in cluster.ready_pods("gateway")]
@@ -77,10 +77,8 @@ def test_two_thousand_connections_through_the_service_ip(cluster: Cluster) -> No
     # Read before anything replaces a gateway pod: a failure must say how its calls ended.
     counters = "; ".join([*(cluster.connection_counters(g) for g in cluster.ready_pods("gateway")),
                           "this machine: " + ", ".join(tcp_counters())])
-    direct, direct_failed, _ = asyncio.run(_many(f"{cluster.pod_ip(pods[0])}:8001", []))
-    print(f"{CONNECTIONS} connections for {SECONDS:.0f}s: through the gateway "
-          f"{_summary(through)}, {len(failed)} failed; directly to one Triton "
-          f"{_summary(direct)}, {len(direct_failed)} failed; the gateway pods' peak RSS "
+    print(f"{CONNECTIONS} connections for {SECONDS:.0f}s through the gateway: "
+          f"{_summary(through)}, {len(failed)} failed; the gateway pods' peak RSS "
           f"{peak / 2**20:.0f} MiB")
     assert failed == [], (f"{len(failed)} calls failed through the gateway: "
                           f"{Counter(failed).most_common(5)}; {counters}")
