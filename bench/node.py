@@ -12,7 +12,7 @@ a PNG plot to bench-results/.
 
     python -m bench.node [--seconds 3] [--repeats 3] [--cells small:1 small:8 ...]
                          [--paths direct gateway envoy-bare haproxy-l7 l4 gateway-checked
-                                  gateway-no-sequences]
+                                  gateway-no-sequences gateway-no-retries]
 """
 
 from __future__ import annotations
@@ -56,7 +56,8 @@ PROXY_CORES = 2
 PATHS = ("direct", "gateway", "envoy-bare", "haproxy-l7", "l4", "gateway-checked")
 # Asked for by name (--paths): the shipped gateway without the retries that find a sequence's
 # Triton (what those cost calls without a sequence: the stateful-sequences issue's bound).
-OPTIONAL_PATHS = ("gateway-no-sequences",)
+# And without any retry (what keeping each request's copy for a retry costs, per byte).
+OPTIONAL_PATHS = ("gateway-no-sequences", "gateway-no-retries")
 # The gateway with every per-call check a site may configure that needs no identity provider:
 # bearer tokens, a tenant map and a tenant share no call reaches (gateway/start.sh then runs
 # the client checks on every call).
@@ -157,22 +158,37 @@ def bare(config: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
-def without_sequence_retries(config: dict[str, Any]) -> dict[str, Any]:
-    """The gateway's config with its retry policies retrying only calls that never reached a
-    Triton, as before sequences were routed (gateway/envoy.yaml)."""
-    config = copy.deepcopy(config)
+def _retry_holders(config: dict[str, Any]) -> list[dict[str, Any]]:
+    """The client listeners' virtual hosts and routes (what may hold a retry policy)."""
+    found: list[dict[str, Any]] = []
     for listener in (GRPC_LISTENER, HTTP_LISTENER):
         for chain in named(config, "listeners", listener).get("filter_chains") or []:
             for network_filter in chain.get("filters") or []:
                 routes = (network_filter.get("typed_config") or {}).get("route_config") or {}
                 for host in routes.get("virtual_hosts") or []:
-                    for policy in [host.get("retry_policy") or {}] + [
-                            (r.get("route") or {}).get("retry_policy") or {}
-                            for r in host.get("routes") or []]:
-                        if policy:
-                            policy["retry_on"] = "connect-failure,refused-stream,reset-before-request"
-                            policy.pop("retriable_headers", None)
-                            policy.pop("retriable_status_codes", None)
+                    found += [host, *(r["route"] for r in host.get("routes") or []
+                                      if "route" in r)]
+    return found
+
+
+def without_sequence_retries(config: dict[str, Any]) -> dict[str, Any]:
+    """The gateway's config with its retry policies retrying only calls that never reached a
+    Triton, as before sequences were routed (gateway/envoy.yaml)."""
+    config = copy.deepcopy(config)
+    for holder in _retry_holders(config):
+        policy = holder.get("retry_policy")
+        if policy:
+            policy["retry_on"] = "connect-failure,refused-stream,reset-before-request"
+            policy.pop("retriable_headers", None)
+            policy.pop("retriable_status_codes", None)
+    return config
+
+
+def without_retries(config: dict[str, Any]) -> dict[str, Any]:
+    """The gateway's config with no retry policy: Envoy then keeps no copy of a request."""
+    config = copy.deepcopy(config)
+    for holder in _retry_holders(config):
+        holder.pop("retry_policy", None)
     return config
 
 
@@ -212,13 +228,15 @@ def proxies(work: Path, triton_grpc: int, triton_http: int, cores: Cores,
             [*envoy_args, str(path)])), work / "gateway-checked.log",
             {**env, **CHECKED_ENV, TOKENS_FILE_ENV: str(tokens)})
         addresses["gateway-checked"] = f"localhost:{checked_settings.grpc_port}"
-    if "gateway-no-sequences" in paths:
-        path, plain_settings = _gateway_config(work / "no-sequences", triton_grpc, triton_http)
-        path.write_text(yaml.safe_dump(without_sequence_retries(yaml.safe_load(path.read_text()))))
-        started["gateway-no-sequences"] = spawn(cores.pinned(cores.proxy, gateway.started(
-            [*envoy_args, str(path)])), work / "gateway-no-sequences.log",
-            gateway_env(plain_settings, secrets.token_hex(16)))
-        addresses["gateway-no-sequences"] = f"localhost:{plain_settings.grpc_port}"
+    for name, change in (("gateway-no-sequences", without_sequence_retries),
+                         ("gateway-no-retries", without_retries)):
+        if name in paths:
+            path, plain_settings = _gateway_config(work / name, triton_grpc, triton_http)
+            path.write_text(yaml.safe_dump(change(yaml.safe_load(path.read_text()))))
+            started[name] = spawn(cores.pinned(cores.proxy, gateway.started(
+                [*envoy_args, str(path)])), work / f"{name}.log",
+                gateway_env(plain_settings, secrets.token_hex(16)))
+            addresses[name] = f"localhost:{plain_settings.grpc_port}"
     if "envoy-bare" in paths:
         floor = bare(config)
         port, admin = free_ports(2)

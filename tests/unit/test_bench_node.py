@@ -47,6 +47,7 @@ def test_the_gateway_without_sequences_differs_only_in_its_retries() -> None:
                         (route.get("route") or {}).pop("retry_policy", None)
                     host.pop("retry_policy", None)
     assert plain == shipped
+    assert node.without_retries(yaml.safe_load(gateway.CONFIG.read_text())) == plain
 
 
 def test_cores_apart_only_where_there_are_enough() -> None:
@@ -57,11 +58,11 @@ def test_cores_apart_only_where_there_are_enough() -> None:
 @pytest.mark.processes
 def test_a_short_run_carries_calls_on_every_path(tmp_path: Path) -> None:
     assert node.main(["--seconds", "0.3", "--repeats", "1", "--cells", "small:1", "1MiB:2",
-                      "--out", str(tmp_path)]) == 0
+                      "--paths", *node.PATHS, *node.OPTIONAL_PATHS, "--out", str(tmp_path)]) == 0
     (figures,) = tmp_path.glob("node-*.json")
     found = json.loads(figures.read_text())
     cells = {(c["path"], c["size"]): c for c in found["cells"]}
-    assert {p for p, _ in cells} == set(node.PATHS)
+    assert {p for p, _ in cells} == {*node.PATHS, *node.OPTIONAL_PATHS}
     assert all(c["rps"] > 0 and c["errors"] == 0 for c in cells.values()), cells
     assert list(tmp_path.glob("node-*.png"))
 
