@@ -1,13 +1,18 @@
 """The gateway path with two simulated pods (TRITONS=2), each a Ray node with one `triton`
-resource beside its own Triton, Envoy in front: per-call balancing, a Triton killed under
-load, a pod removed as a scale-down does it, many large calls on one connection, Envoy's
-metrics and admin ports, and autoscaling on Triton's queue time, up and down."""
+resource beside its own Triton, Envoy in front: per-call balancing, Triton's sequence example
+clients (tests/sequence_models beside the example and test models, warmed at start like the
+others), a Triton killed under load, a pod removed as a scale-down does it, many large calls
+on one connection, Envoy's metrics and admin ports, and autoscaling on Triton's queue time, up
+and down."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -28,9 +33,12 @@ from local_stack.harness import (
     serve_config_with,
 )
 from local_stack.polling import until
+from local_stack.triton import EXAMPLE_MODELS, TEST_MODELS, merged_model_repository
 from local_stack.triton_inputs import simple_inputs, tensor
 from tests.support.load import DEADLINE_S, Outcome, load, scale_cycle
 
+TESTS = Path(__file__).resolve().parents[1]
+SEQUENCE_MODELS, EXAMPLES = TESTS / "sequence_models", TESTS / "triton_examples"
 # Quick autoscaling for a test: Triton's metrics every half second, short delays, and a low
 # queue-time target that the slow model's queue crosses with a handful of callers.
 AUTOSCALING = {"metrics_interval_s": 0.5, "look_back_period_s": 2, "upscale_delay_s": 1,
@@ -44,9 +52,14 @@ def pods(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
         deployment={"graceful_shutdown_timeout_s": 20, "health_check_period_s": 2},
         autoscaling={**AUTOSCALING, "min_replicas": 2, "max_replicas": 2},
         policy_kwargs={"target_queue_ms_per_exec": 50})
-    with running_stack({"DATA_PATH": "gateway", "TRITONS": "2", "SERVE_CONFIG": str(config)},
-                       ready_pattern=r"gateway discovery: pods \[0, 1\]") as running:
-        yield running
+    models = merged_model_repository([EXAMPLE_MODELS, TEST_MODELS, SEQUENCE_MODELS])
+    try:
+        with running_stack({"DATA_PATH": "gateway", "TRITONS": "2", "SERVE_CONFIG": str(config),
+                            "MODEL_REPOSITORY": str(models)},
+                           ready_pattern=r"gateway discovery: pods \[0, 1\]") as running:
+            yield running
+    finally:
+        shutil.rmtree(models, ignore_errors=True)
     assert running.process.process.returncode == 0
     assert not processes_left_behind(running.process)
 
@@ -59,6 +72,20 @@ def _execution_counts(running: RunningStack) -> list[int]:
         counts.append(sum(int(float(line.split()[-1])) for line in text.splitlines()
                           if line.startswith('nv_inference_count{model="simple"')))
     return counts
+
+
+@pytest.mark.parametrize("example", [
+    "simple_grpc_sequence_sync_infer_client.py",
+    "simple_grpc_sequence_stream_infer_client.py",
+    "simple_http_sequence_sync_infer_client.py",
+])
+def test_tritons_sequence_examples_pass_with_two_pods(pods: RunningStack, example: str) -> None:
+    port = "HTTP_PORT" if "_http_" in example else "GRPC_PORT"
+    done = subprocess.run([sys.executable, str(EXAMPLES / example), "-u", pods.url(port)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "PASS: Sequence" in done.stdout, (
+        f"{example} through make local TRITONS=2: rc {done.returncode}\n"
+        f"{done.stdout[-2000:]}{done.stderr[-2000:]}")
 
 
 def test_calls_spread_over_both_tritons(pods: RunningStack) -> None:
