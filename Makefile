@@ -95,7 +95,8 @@ schemas: venv
 	$(PY) -m tools.kustomize_openapi
 
 # Writes the gateway's refused-RPC routes from the RPC table and the Serve config's
-# allowed_admin_rpcs (gateway/envoy.yaml, between its markers), the TLS secrets' discovery
+# allowed_admin_rpcs (gateway/envoy.yaml, between its markers) and its retries from the Serve
+# config's max_replicas (its line `num_retries: &retries`), the TLS secrets' discovery
 # documents (gateway/tls.py: gateway/sds-server-certificate.yaml, gateway/sds-client-ca.yaml),
 # the token checks' configs (gateway/jwt.py: off, and
 # each site's from its jwt.env and jwks.json) and the tenant shares' (gateway/tenant_shares.py:

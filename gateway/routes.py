@@ -3,7 +3,8 @@
 Its refused-RPC routes are written from the one allow-list, `allowed_admin_rpcs` in the Serve
 config's args, and the RPC table (serve/triton_pod/rpcs.py): `make gateway-config`
 rewrites the block between the markers, and the checks refuse a config whose routes differ,
-so both data paths refuse the same calls with the same words.
+so both data paths refuse the same calls with the same words. Its retries are written from
+the Serve config's max_replicas (sequence_retries): a sequence's call reaches every GPU pod.
 
     python -m gateway.routes [--check]
 """
@@ -11,6 +12,7 @@ so both data paths refuse the same calls with the same words.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -39,6 +41,10 @@ REFUSAL_STATUS = 403
 # the body of a 400.
 SEQUENCE_NOT_HELD = "must specify the START flag"
 SEQUENCE_NOT_HELD_HTTP_STATUS = 400
+# The one line of envoy.yaml that says how many retries its policies make (a YAML anchor the
+# others refer to), written by `make gateway-config` from the Serve config (sequence_retries).
+RETRIES_LINE = re.compile(r"^(\s*num_retries: &retries )\d+( .*)?$", re.M)
+MIN_RETRIES = 3
 
 
 def allowed_admin_rpcs(serve_config: dict[str, Any]) -> list[str]:
@@ -94,8 +100,24 @@ def _render_block(lines: list[str], block: str, routes: list[dict[str, Any]]) ->
     return lines[: header_end + 1] + written + lines[end:]
 
 
-def render(text: str, allowed: list[str]) -> str:
-    """The config text with the blocks between the markers written from the allow-list."""
+def sequence_retries(serve_config: dict[str, Any]) -> int:
+    """The retries of the gateway's retry policies: enough for a sequence's call to reach every
+    GPU pod the Serve config allows (max_replicas), and never fewer than 3 (a call no Triton
+    ran, on another Triton); no more, since each retry of a refused call is another Triton's
+    work (a malformed HTTP inference is refused by each Triton tried)."""
+    for app in serve_config.get("applications") or []:
+        for deployment in app.get("deployments") or []:
+            pods = (deployment.get("autoscaling_config") or {}).get("max_replicas")
+            if isinstance(pods, int):
+                return max(MIN_RETRIES, pods - 1)
+    return MIN_RETRIES
+
+
+def render(text: str, allowed: list[str], retries: int = 0) -> str:
+    """The config text with the blocks between the markers written from the allow-list, and
+    the retries line (RETRIES_LINE) from `retries` (0: as it is)."""
+    if retries:
+        text = RETRIES_LINE.sub(rf"\g<1>{retries}\g<2>", text)
     lines = text.splitlines(keepends=True)
     lines = _render_block(lines, GRPC_BLOCK, refused_routes(allowed))
     lines = _render_block(lines, HTTP_BLOCK, refused_http_routes(allowed))
@@ -204,7 +226,8 @@ def refusals(envoy: dict[str, Any], serve_config: dict[str, Any]) -> list[dict[s
 
 def main(argv: list[str] | None = None) -> int:
     text = ENVOY_CONFIG.read_text()
-    rendered = render(text, allowed_admin_rpcs(yaml.safe_load(SERVE_CONFIG.read_text())))
+    serve_config = yaml.safe_load(SERVE_CONFIG.read_text())
+    rendered = render(text, allowed_admin_rpcs(serve_config), sequence_retries(serve_config))
     return write_or_check(ENVOY_CONFIG, rendered, argv, __doc__, "make gateway-config")
 
 

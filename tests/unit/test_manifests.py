@@ -290,10 +290,32 @@ def test_committed_kustomize_openapi_is_what_the_generator_makes() -> None:
 
 
 def test_the_gateway_config_is_what_make_gateway_config_writes() -> None:
-    from gateway.routes import ENVOY_CONFIG, SERVE_CONFIG, allowed_admin_rpcs, render
+    from gateway.routes import (
+        ENVOY_CONFIG,
+        SERVE_CONFIG,
+        allowed_admin_rpcs,
+        render,
+        sequence_retries,
+    )
 
     text = ENVOY_CONFIG.read_text()
-    assert render(text, allowed_admin_rpcs(yaml.safe_load(SERVE_CONFIG.read_text()))) == text
+    serve_config = yaml.safe_load(SERVE_CONFIG.read_text())
+    assert render(text, allowed_admin_rpcs(serve_config), sequence_retries(serve_config)) == text
+
+
+@pytest.mark.parametrize(("max_replicas", "retries"), [(1, 3), (4, 3), (5, 4), (17, 16)])
+def test_the_gateway_retries_as_often_as_pods_allow_and_no_more(max_replicas: int,
+                                                                retries: int) -> None:
+    """make gateway-config writes the retries from Serve's max_replicas: a sequence's call
+    reaches every pod, and a call every Triton refuses is tried no more often than that."""
+    from gateway.routes import ENVOY_CONFIG, render, sequence_retries, sequence_tries
+
+    serve_config = yaml.safe_load((ROOT / "serve" / "serve-config.yaml").read_text())
+    serve_config["applications"][0]["deployments"][0]["autoscaling_config"][
+        "max_replicas"] = max_replicas
+    assert sequence_retries(serve_config) == retries
+    written = yaml.safe_load(render(ENVOY_CONFIG.read_text(), [], retries))
+    assert set(sequence_tries(written).values()) == {retries + 1}
 
 
 def test_the_tls_secrets_documents_are_what_make_gateway_config_writes() -> None:
