@@ -41,7 +41,7 @@ from tritonclient.utils import InferenceServerException
 
 from bench.calls import RESULTS, SIZES, cpu_s, measure_grpc
 from gateway import local as gateway
-from gateway.routes import GRPC_LISTENER, HTTP_LISTENER, named
+from gateway.routes import GRPC_LISTENER, named, retry_holders
 from local_stack import triton
 from local_stack.gateway_config import gateway_env, write_lone_config
 from local_stack.polling import until
@@ -158,24 +158,11 @@ def bare(config: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
-def _retry_holders(config: dict[str, Any]) -> list[dict[str, Any]]:
-    """The client listeners' virtual hosts and routes (what may hold a retry policy)."""
-    found: list[dict[str, Any]] = []
-    for listener in (GRPC_LISTENER, HTTP_LISTENER):
-        for chain in named(config, "listeners", listener).get("filter_chains") or []:
-            for network_filter in chain.get("filters") or []:
-                routes = (network_filter.get("typed_config") or {}).get("route_config") or {}
-                for host in routes.get("virtual_hosts") or []:
-                    found += [host, *(r["route"] for r in host.get("routes") or []
-                                      if "route" in r)]
-    return found
-
-
 def without_sequence_retries(config: dict[str, Any]) -> dict[str, Any]:
     """The gateway's config with its retry policies retrying only calls that never reached a
     Triton, as before sequences were routed (gateway/envoy.yaml)."""
     config = copy.deepcopy(config)
-    for holder in _retry_holders(config):
+    for holder in retry_holders(config):
         policy = holder.get("retry_policy")
         if policy:
             policy["retry_on"] = "connect-failure,refused-stream,reset-before-request"
@@ -187,7 +174,7 @@ def without_sequence_retries(config: dict[str, Any]) -> dict[str, Any]:
 def without_retries(config: dict[str, Any]) -> dict[str, Any]:
     """The gateway's config with no retry policy: Envoy then keeps no copy of a request."""
     config = copy.deepcopy(config)
-    for holder in _retry_holders(config):
+    for holder in retry_holders(config):
         holder.pop("retry_policy", None)
     return config
 

@@ -179,22 +179,33 @@ def _retries_sequences(policy: dict[str, Any]) -> bool:
     return by_words or by_status
 
 
+def virtual_hosts(envoy: dict[str, Any], listener: str) -> list[dict[str, Any]]:
+    """The virtual hosts of a listener's every filter chain (the TLS chains share theirs)."""
+    return [host for chain in named(envoy, "listeners", listener).get("filter_chains") or []
+            for network_filter in chain.get("filters") or []
+            for host in (((network_filter.get("typed_config") or {}).get("route_config") or {})
+                         .get("virtual_hosts") or [])]
+
+
+def retry_holders(envoy: dict[str, Any]) -> list[dict[str, Any]]:
+    """What may hold a retry policy on the client listeners: each virtual host and route."""
+    return [holder for listener in (GRPC_LISTENER, HTTP_LISTENER)
+            for host in virtual_hosts(envoy, listener)
+            for holder in [host, *(r["route"] for r in host.get("routes") or [] if "route" in r)]]
+
+
 def sequence_tries(envoy: dict[str, Any]) -> dict[str, int | None]:
     """Per client listener, how many Tritons a call of a sequence may try at most (the fewest
     among its retry policies that retry Triton's refusal; None: none does, so such a call
     reaches one Triton only)."""
     found: dict[str, int | None] = {}
     for listener in (GRPC_LISTENER, HTTP_LISTENER):
-        tries: list[int] = []
-        for chain in named(envoy, "listeners", listener).get("filter_chains") or []:
-            for network_filter in chain.get("filters") or []:
-                config = (network_filter.get("typed_config") or {}).get("route_config") or {}
-                for host in config.get("virtual_hosts") or []:
-                    policies = [host.get("retry_policy") or {}] + [
-                        (r.get("route") or {}).get("retry_policy") or {}
-                        for r in host.get("routes") or []]
-                    tries += [1 + int(p.get("num_retries", 1)) for p in policies
-                              if _retries_sequences(p)]
+        tries = [1 + int(policy.get("num_retries", 1))
+                 for host in virtual_hosts(envoy, listener)
+                 for policy in [host.get("retry_policy") or {}] + [
+                     (r.get("route") or {}).get("retry_policy") or {}
+                     for r in host.get("routes") or []]
+                 if _retries_sequences(policy)]
         found[listener] = min(tries) if tries else None
     return found
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import sys
 import threading
 import urllib.request
 from collections.abc import Iterator
@@ -30,13 +29,13 @@ from local_stack.polling import until
 from local_stack.ports import free_ports
 from local_stack.processes import end_session, free_orphaned_regions, spawn, terminate
 from local_stack.settings import Settings, TritonPorts
+from tests.support.examples import SEQUENCE_EXAMPLES, sequence_example_passed
 from tests.support.lone_gateway import envoy_before
 
 pytestmark = pytest.mark.processes
 
 TESTS = Path(__file__).resolve().parents[1]
 SEQUENCE_MODELS = TESTS / "sequence_models"
-EXAMPLES = TESTS / "triton_examples"
 # A model without sequences beside them: its calls are balanced per call as before.
 PLAIN = "identity_fp32"
 
@@ -160,36 +159,21 @@ def two_pods(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TwoPods]:
         shutil.rmtree(repository, ignore_errors=True)
 
 
-@pytest.mark.parametrize("example", [
-    "simple_grpc_sequence_sync_infer_client.py",
-    "simple_grpc_sequence_stream_infer_client.py",
-    "simple_http_sequence_sync_infer_client.py",
-])
+@pytest.mark.parametrize("example", SEQUENCE_EXAMPLES)
 def test_tritons_sequence_examples_pass_unchanged_with_two_pods(two_pods: TwoPods,
                                                                   example: str) -> None:
-    url = two_pods.http if "_http_" in example else two_pods.grpc
-    done = subprocess.run([sys.executable, str(EXAMPLES / example), "-u", url],
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0 and "PASS: Sequence" in done.stdout, (
-        f"{example} through the gateway (2 Tritons): rc {done.returncode}\n"
-        f"{done.stdout[-2000:]}{done.stderr[-2000:]}")
+    failed = sequence_example_passed(example, two_pods.grpc, two_pods.http)
+    assert failed is None, f"through the gateway (2 Tritons): {failed}"
 
 
 SEQUENCES, CALLS = 8, 10
 
 
-def _grpc_call(client: tc.InferenceServerClient, sequence: int, value: int, start: bool,
-               end: bool) -> int:
-    tensor = tc.InferInput("INPUT", [1, 1], "INT32")
-    tensor.set_data_from_numpy(np.array([[value]], np.int32))
-    result = client.infer("sequence_sum", [tensor], sequence_id=sequence, sequence_start=start,
-                          sequence_end=end)
-    return int(result.as_numpy("OUTPUT")[0][0])
-
-
-def _http_call(client: th.InferenceServerClient, sequence: int, value: int, start: bool,
-               end: bool) -> int:
-    tensor = th.InferInput("INPUT", [1, 1], "INT32")
+def _call(client: tc.InferenceServerClient | th.InferenceServerClient, sequence: int,
+          value: int, start: bool, end: bool) -> int:
+    """One call of a sequence_sum sequence over either protocol: the running sum."""
+    protocol = tc if isinstance(client, tc.InferenceServerClient) else th
+    tensor = protocol.InferInput("INPUT", [1, 1], "INT32")
     tensor.set_data_from_numpy(np.array([[value]], np.int32))
     result = client.infer("sequence_sum", [tensor], sequence_id=sequence, sequence_start=start,
                           sequence_end=end)
@@ -212,9 +196,8 @@ def test_interleaved_sequences_are_each_summed_by_the_triton_holding_them(
             for s in range(SEQUENCES):
                 value = 1 + s * 100 + step
                 sums[s] += value
-                args = (base + s, value, step == 0, step == CALLS - 1)
-                got = (_grpc_call(grpc_client, *args) if protocol == "grpc"
-                       else _http_call(http_client, *args))
+                got = _call(grpc_client if protocol == "grpc" else http_client, base + s,
+                            value, step == 0, step == CALLS - 1)
                 if got != sums[s]:
                     wrong.append(f"sequence {base + s} call {step}: {got}, not {sums[s]}")
     finally:
@@ -272,7 +255,7 @@ def test_a_pod_added_under_sequence_load_takes_no_live_sequence_over(two_pods: T
     def step(sequences: dict[int, int], start: bool = False, end: bool = False) -> None:
         for sequence in sequences:
             sequences[sequence] += sequence % 100 + 1
-            got = _grpc_call(client, sequence, sequence % 100 + 1, start, end)
+            got = _call(client, sequence, sequence % 100 + 1, start, end)
             if got != sequences[sequence]:
                 wrong.append(f"sequence {sequence}: {got}, not {sequences[sequence]}")
 
@@ -320,7 +303,7 @@ def test_a_sequence_whose_triton_died_fails_with_tritons_own_refusal(two_pods: T
         while not (held[0] and held[1]):
             assert sequence < 7040, f"40 STARTs all reached one Triton: {held}"
             before = two_pods.executions("sequence_sum")
-            sums[sequence] = _grpc_call(client, sequence, 3, True, False)
+            sums[sequence] = _call(client, sequence, 3, True, False)
             after = two_pods.executions("sequence_sum")
             held[next(i for i in (0, 1) if after[i] > before[i])].append(sequence)
             sequence += 1
@@ -329,10 +312,10 @@ def test_a_sequence_whose_triton_died_fails_with_tritons_own_refusal(two_pods: T
         until("the gateway to count the lost Triton out", lambda: two_pods.healthy() == 1
               or f"{two_pods.healthy()} healthy", 30)
         for kept_sequence in held[kept.index]:
-            assert _grpc_call(client, kept_sequence, 4, False, True) == sums[kept_sequence] + 4
+            assert _call(client, kept_sequence, 4, False, True) == sums[kept_sequence] + 4
         for lost_sequence in held[lost.index]:
             with pytest.raises(InferenceServerException) as refused:
-                _grpc_call(client, lost_sequence, 4, False, True)
+                _call(client, lost_sequence, 4, False, True)
             assert refused.value.status() == "StatusCode.INVALID_ARGUMENT" and \
                 SEQUENCE_NOT_HELD in str(refused.value), str(refused.value)
     finally:

@@ -11,8 +11,6 @@ import asyncio
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -35,10 +33,10 @@ from local_stack.harness import (
 from local_stack.polling import until
 from local_stack.triton import EXAMPLE_MODELS, TEST_MODELS, merged_model_repository
 from local_stack.triton_inputs import simple_inputs, tensor
+from tests.support.examples import SEQUENCE_EXAMPLES, sequence_example_passed
 from tests.support.load import DEADLINE_S, Outcome, load, scale_cycle
 
-TESTS = Path(__file__).resolve().parents[1]
-SEQUENCE_MODELS, EXAMPLES = TESTS / "sequence_models", TESTS / "triton_examples"
+SEQUENCE_MODELS = Path(__file__).resolve().parents[1] / "sequence_models"
 # Quick autoscaling for a test: Triton's metrics every half second, short delays, and a low
 # queue-time target that the slow model's queue crosses with a handful of callers.
 AUTOSCALING = {"metrics_interval_s": 0.5, "look_back_period_s": 2, "upscale_delay_s": 1,
@@ -74,18 +72,10 @@ def _execution_counts(running: RunningStack) -> list[int]:
     return counts
 
 
-@pytest.mark.parametrize("example", [
-    "simple_grpc_sequence_sync_infer_client.py",
-    "simple_grpc_sequence_stream_infer_client.py",
-    "simple_http_sequence_sync_infer_client.py",
-])
+@pytest.mark.parametrize("example", SEQUENCE_EXAMPLES)
 def test_tritons_sequence_examples_pass_with_two_pods(pods: RunningStack, example: str) -> None:
-    port = "HTTP_PORT" if "_http_" in example else "GRPC_PORT"
-    done = subprocess.run([sys.executable, str(EXAMPLES / example), "-u", pods.url(port)],
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0 and "PASS: Sequence" in done.stdout, (
-        f"{example} through make local TRITONS=2: rc {done.returncode}\n"
-        f"{done.stdout[-2000:]}{done.stderr[-2000:]}")
+    failed = sequence_example_passed(example, pods.url("GRPC_PORT"), pods.url("HTTP_PORT"))
+    assert failed is None, f"through make local TRITONS=2: {failed}"
 
 
 def test_calls_spread_over_both_tritons(pods: RunningStack) -> None:

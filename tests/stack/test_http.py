@@ -7,20 +7,18 @@ from __future__ import annotations
 import gzip
 import json
 import subprocess
-import sys
 import zlib
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from tests.stack.conftest import ADMIN_KEY, Stack
+from tests.support.examples import EXAMPLES, SEQUENCE_EXAMPLES, run_example
 from tests.support.raw_http import request
 from triton_pod.access import HTTP_ADMIN_HEADER
 from triton_pod.rpcs import BY_NAME, refusal_message
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "triton_examples"
 # Headers that Triton sets and a client reads; a proxy's own (server, date, x-request-id) aside.
 TRITON_HEADERS = ("content-type", "content-length", "content-encoding",
                   "inference-header-content-length")
@@ -94,18 +92,16 @@ REFUSED_EXAMPLES = {"simple_http_shm_client.py": "SystemSharedMemoryUnregister"}
 
 
 def _run_example(stack: Stack, example: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(EXAMPLES / example), "-u", stack.http_url],
-                          capture_output=True, text=True, timeout=120)
+    return run_example(example, stack.http_url)
 
 
-# The sequence clients need tests/sequence_models and two pods to show anything: they run in
-# tests/gateway/test_sequences.py and tests/stack/test_gateway.py.
-SEQUENCE_EXAMPLES = "_sequence_"
+# The sequence clients (SEQUENCE_EXAMPLES) need tests/sequence_models and two pods to show
+# anything: they run in tests/gateway/test_sequences.py and tests/stack/test_gateway.py.
 
 
 @pytest.mark.parametrize("example", sorted(p.name for p in EXAMPLES.glob("simple_http_*.py")
                                            if p.name not in REFUSED_EXAMPLES
-                                           and SEQUENCE_EXAMPLES not in p.name))
+                                           and p.name not in SEQUENCE_EXAMPLES))
 def test_tritons_own_http_examples_pass_unchanged(stack: Stack, example: str) -> None:
     done = _run_example(stack, example)
     assert done.returncode == 0, f"{example} failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
