@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 import tritonclient.grpc.aio as tc_aio
 from tritonclient.utils import InferenceServerException
 
@@ -31,6 +32,12 @@ NEW_ONLY = "simple_new"
 SWITCHED = (r"\[cluster\] upgrade: KubeRay's Services select (\S+); Serve replicas running: "
             r"(\d+) there, (\d+) in ")
 DONE = r"\[cluster\] upgrade: done; cluster (\S+) deleted$"
+# What the stack says while the pending cluster is not yet serving (local_stack/cluster/
+# stack.py, _upgrade): the first line a failed switch shows.
+UPGRADE_WORD = re.compile(r"\[cluster\] (upgrade: |still waiting for every Serve application)")
+# The switch takes 60-120 s here; well before pytest's limit (pyproject.toml) a test that
+# waits longer fails saying why.
+SWITCH_WITHIN_S = 420
 # The gateway's answer when no Triton is healthy (gateway/envoy.yaml's local reply, in the words
 # of gateway/client-checks.lua).
 NO_TRITON = "no Triton is ready behind this endpoint"
@@ -105,7 +112,12 @@ def test_an_upgrade_changing_the_model_set_sends_no_call_to_a_triton_without_the
     def upgrade() -> list[str]:
         (cluster.pods_dir / "upgrade").write_text(f"MODEL_REPOSITORY={new_repo}\n"
                                                   f"SERVE_CONFIG={new_config}\n")
-        switch = cluster.wait_for(SWITCHED, 600, after=mark)
+        try:
+            switch = cluster.wait_for(SWITCHED, SWITCH_WITHIN_S, after=mark)
+        except TimeoutError:
+            said = [line for line in cluster.process.lines[mark:] if UPGRADE_WORD.search(line)]
+            pytest.fail(f"KubeRay's Services did not switch within {SWITCH_WITHIN_S}s of the "
+                        f"upgrade; the stack's last word on it: {said[-2:]}", pytrace=False)
         timings["switched at"] = time.monotonic()
         replicas_at_switch.extend([int(switch.group(2)), int(switch.group(3))])
         switched_at = time.monotonic()

@@ -38,12 +38,16 @@ AT_ONCE_S = 1.0
 # here with room to spare; an operator asks for hours.
 PREWARM_S = 60
 HEAD = re.compile(r"(ray-head(?:-\d+)?): Ray head of cluster (\S+) at \S+ \(dashboard (\S+)\)")
+SELECTED = re.compile(r"\[cluster\] upgrade: KubeRay's Services select (\S+);")
 
 
 def _active_head(cluster: Cluster) -> tuple[str, str]:
-    """The newest Ray cluster's dashboard and token (after an upgrade, the new one's)."""
-    heads = [m for line in cluster.process.lines if (m := HEAD.search(line))]
-    name, _, dashboard = heads[-1].groups()
+    """The dashboard and token of the Ray cluster KubeRay's Services select: the one the
+    last upgrade switched to (test_upgrade.py), else the first; a pending cluster never."""
+    heads = {m.group(2): m for line in cluster.process.lines if (m := HEAD.search(line))}
+    switches = [m.group(1) for line in cluster.process.lines if (m := SELECTED.search(line))]
+    name, _, dashboard = heads[switches[-1]].groups() if switches else next(
+        iter(heads.values())).groups()
     return dashboard, (cluster.pods_dir / name / "ray-token").read_text()
 
 
