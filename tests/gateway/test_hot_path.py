@@ -3,7 +3,8 @@ config as `make local` writes it, in front of a stand-in Triton (gRPC with Trito
 protos, and HTTP) that records what reaches it; the thing tested is the config and its Lua.
 
 With nothing configured that checks or names callers, a call other than a job start runs no
-Lua at all (Envoy's counters of each Lua filter's executions), yet the access log still names
+Lua at all, nor the token check or the tenant shares (Envoy's counters of each filter's runs),
+yet the access log still names
 an anonymous caller, its protocol and (HTTP) its model; a job start runs the client checks;
 an error answer, and only that, runs the error answers' Lua, which turns Triton's queue-full
 UNAVAILABLE / 503 into RESOURCE_EXHAUSTED / 429 with a retry hint. With a site's tenants
@@ -13,6 +14,7 @@ Triton on any route; the gateway's own reaches it on the routes that carry it.""
 from __future__ import annotations
 
 import json
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +24,8 @@ import pytest
 import tritonclient.grpc as tc
 from tritonclient.utils import InferenceServerException
 
+from gateway import tenant_shares
+from local_stack.gateway_config import jwt_folder
 from local_stack.polling import until
 from tests.support.lone_gateway import (
     ADMIN_KEY,
@@ -39,6 +43,9 @@ RETRY_AFTER_S = 2
 # The gateway's words when no Triton is ready (gateway/gate.lua).
 NO_TRITON = "no Triton is ready behind this endpoint, and no GPU pod is starting"
 CALLS = 10
+# Envoy's counters of the filters a site configures (gateway/envoy.yaml: sonic-ray.jwt,
+# sonic-ray.tenant-shares, whose stat_prefix gateway/tenant_shares.py writes).
+TOKEN_CHECK_RUNS, SHARES_RUNS = "jwt_authn.allowed", "tenant_shares.http_local_rate_limit.enabled"
 # Which settings each gateway runs with: nothing that checks or names callers, and a site's
 # tenant map (which names every caller: the checks run on every call).
 SETTINGS = {"nothing-configured": {}, "tenants": {"SONIC_RAY_TENANTS": "cms=*"}}
@@ -101,6 +108,65 @@ def test_calls_other_than_job_starts_run_no_lua_unless_callers_are_checked(case:
     assert {(line["identity"], line["tenant"]) for line in lines} == {("anonymous", tenant)}
     assert {line["protocol"] for line in lines} == {"grpc", "http"}
     assert {line["model"] for line in lines if line["protocol"] == "http"} == {"simple"}
+
+
+def _filter_runs(lone: LoneGateway) -> dict[str, int]:
+    """How many calls each filter that has nothing to do unless a site configures it ran on,
+    over both listeners: the token check (jwt_authn's allowed calls) and the tenant shares
+    (local_ratelimit's consulted calls, counted once a bucket exists)."""
+    url = f"http://127.0.0.1:{lone.settings.gateway_admin_port}/stats"
+    with urllib.request.urlopen(url, timeout=5) as response:
+        lines = response.read().decode().splitlines()
+    runs = {TOKEN_CHECK_RUNS: 0, SHARES_RUNS: 0}
+    for line in lines:
+        name, _, value = line.partition(": ")
+        for counter in runs:
+            if name.endswith(counter):
+                runs[counter] += int(value)
+    return runs
+
+
+def test_calls_other_than_job_starts_make_no_token_check_nor_shares_unless_callers_are_checked(
+        case: Case) -> None:
+    """A filter disabled on a route is never made for its calls: with nothing that checks or
+    names callers, an inference call meets neither filter (whose configs, by discovery, may
+    change at any time), a job start meets both."""
+    lone = case.lone
+    shares = jwt_folder(lone.folder / "endpoints.json") / tenant_shares.SHARES_FILE
+    # A bucket that limits nobody who calls: the filter counts each call it consults.
+    reloads = _reloads(lone)
+    tenant_shares.write(shares, {"nobody-calling": 1000})
+    until("the gateway to load the shares", lambda: _reloads(lone) > reloads, 10)
+    try:
+        before = _filter_runs(lone)
+        client = tc.InferenceServerClient(lone.grpc)
+        try:
+            for _ in range(CALLS):
+                _infer(client, "simple")
+            inference = _filter_runs(lone)
+            assert client.is_server_ready()
+        finally:
+            client.close()
+        for _ in range(CALLS):
+            assert lone.http("/v2/models/simple/infer", b"{}",
+                             {"content-type": "application/json"})[0] == 200
+        after = _filter_runs(lone)
+    finally:
+        tenant_shares.write(shares, lone.settings.tenant_shares())
+    expected = CALLS if case.checked_always else 0
+    assert {k: inference[k] - before[k] for k in before} == dict.fromkeys(before, expected), (
+        before, inference)
+    # The job start met both; HTTP inference as gRPC's.
+    assert {k: after[k] - inference[k] for k in before} == dict.fromkeys(before, 1 + expected), (
+        inference, after)
+
+
+def _reloads(lone: LoneGateway) -> int:
+    url = (f"http://127.0.0.1:{lone.settings.gateway_admin_port}/stats?filter="
+           f"{tenant_shares.FILTER_NAME}.config_reload")
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return sum(int(line.partition(": ")[2] or 0) for line in
+                   response.read().decode().splitlines())
 
 
 def test_job_starts_run_the_client_checks(case: Case) -> None:
