@@ -224,7 +224,20 @@ def applications_running(dashboard: str, token: str) -> bool | str:
     statuses = {name: app.get("status") for name, app in apps.items()}
     if statuses and all(status == "RUNNING" for status in statuses.values()):
         return True
-    return str(statuses)
+    return "; ".join(f"{name} {app.get('status')}: {_why(app)}" for name, app in apps.items()
+                     ) or "no application"
+
+
+def _why(app: dict[str, Any]) -> str:
+    """What Serve says of an application that is not RUNNING: its message, and each
+    deployment's status, target and running replicas and message (cut short)."""
+    parts = [str(app.get("message") or "")[:300]]
+    for name, deployment in (app.get("deployments") or {}).items():
+        running = sum(1 for r in deployment.get("replicas") or [] if r.get("state") == "RUNNING")
+        parts.append(f"{name} {deployment.get('status')} (target "
+                     f"{deployment.get('target_num_replicas')}, running {running}) "
+                     f"{str(deployment.get('message') or '')[:300]}")
+    return " | ".join(p for p in parts if p)
 
 
 def policy_answers(head: str, port: int | str) -> bool | str:
