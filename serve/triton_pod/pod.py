@@ -29,7 +29,6 @@ from .grpc_forwarding import MAX_MESSAGE_BYTES, GrpcForwarding, install_rpc_meth
 from .http_forwarding import HttpForwarder
 from .pod_ready import POD_READY_PORT_ENV, TRITON_CHECK_S, PodReadiness
 from .rpcs import BY_NAME, REFUSABLE, RPCS
-from .sequences import Answer, held_elsewhere
 from .triton_metrics import QUEUE_METRIC, QueueTime, scrape
 from .warmup import WarmupArgs, WarmupError, warm_up
 
@@ -136,8 +135,6 @@ class TritonPod(GrpcForwarding):
             "sonic_ray_warmup_failures", "Warm-ups of a model that failed or ran out of time",
             tag_keys=("model",))
         self._warm_failed: str | None = None
-        # This deployment's handle, made on the first call of a sequence held elsewhere.
-        self._peers: Any = None
         # The last warm-up's gauges, recorded again now and then (GAUGES_AGAIN_S).
         self._gauges: dict[str | None, float] = {}
         await self._readiness.start(int(os.environ.get(POD_READY_PORT_ENV) or args.ready_port))
@@ -282,42 +279,6 @@ class TritonPod(GrpcForwarding):
                 next_log = now + 10.0
             await asyncio.sleep(0.5)
 
-    async def infer_if_held(self, request: bytes, metadata: list[tuple[str, Any]],
-                            timeout: float | None, asked: list[str]) -> Answer:
-        """Another replica's call of a sequence its Triton does not hold, asked of this one
-        through Serve's router (sequences.py); answered at once if this one was asked before."""
-        me = serve.get_replica_context().replica_tag
-        if me in asked:
-            return Answer(me, asked_before=True)
-        return await self.ask_triton(request, metadata, timeout, me)
-
-    async def _held_elsewhere(self, request: bytes, metadata: list[tuple[str, Any]],
-                              timeout: float | None) -> Answer | None:
-        context = serve.get_replica_context()
-        try:
-            replicas = await asyncio.to_thread(running_replicas, context.app_name,
-                                               context.deployment)
-            if replicas < 2:
-                return None
-            if self._peers is None:
-                self._peers = serve.get_deployment_handle(context.deployment, context.app_name)
-            peers = self._peers
-            deadline = None if timeout is None else time.monotonic() + timeout
-
-            async def ask(asked: list[str]) -> Answer:
-                left = None if deadline is None else max(deadline - time.monotonic(), 0.001)
-                answer: Answer = await peers.infer_if_held.remote(request, metadata, left,
-                                                                  asked)
-                return answer
-
-            return await held_elsewhere(ask, context.replica_tag, replicas)
-        # Whatever Serve raises, the refusal stands (and is said).
-        except Exception as error:
-            logger.warning("a call of a sequence this pod's Triton does not hold was not "
-                           "asked of the other replicas: %r; the client gets the refusal",
-                           error)
-            return None
-
     async def __call__(self, request: Request) -> Response:
         """Serve's HTTP proxy: Triton's HTTP/REST API, passed to this pod's Triton."""
         return await self._http.forward(request)
@@ -335,16 +296,6 @@ class TritonPod(GrpcForwarding):
         """Serve's custom-metrics hook: this replica's Triton queue time per execution."""
         counters = await asyncio.to_thread(scrape, self._args.triton_metrics_url, 5.0)
         return {QUEUE_METRIC: self._queue_time.update(counters)}
-
-
-def running_replicas(app: str, deployment: str) -> int:
-    """How many replicas of the deployment run now (Serve's controller)."""
-    overview = serve.status().applications.get(app)
-    found = overview.deployments.get(deployment) if overview is not None else None
-    if found is None:
-        return 0
-    # Serve's ReplicaState is a str enum: its RUNNING equals the string.
-    return sum(count for state, count in found.replica_states.items() if state == "RUNNING")
 
 
 install_rpc_methods(TritonPod)
