@@ -22,6 +22,7 @@ import yaml
 from tools.generated import write_or_check
 from triton_pod.access import ADMIN_HEADER, ADMIN_KEY_ENV, HTTP_ADMIN_HEADER
 from triton_pod.rpcs import HTTP_RESTRICTED, RPCS, refusal_message
+from triton_pod.sequences import SEQUENCE_NOT_HELD
 
 ROOT = Path(__file__).resolve().parent.parent
 ENVOY_CONFIG = ROOT / "gateway" / "envoy.yaml"
@@ -36,10 +37,10 @@ HTTP_LISTENER, HTTP_CLUSTER = "triton-http", "triton-http"
 CONTROL_PLANE_CLUSTER = "control-plane"
 # grpc-status 7, PERMISSION_DENIED: what Envoy answers a gRPC call for HTTP 403.
 REFUSAL_STATUS = 403
-# Triton's words (grpc-message) for a call of a sequence whose START it never saw: the retry
+# Triton's words (grpc-message) for a call of a sequence whose START it never saw
+# (SEQUENCE_NOT_HELD, whose home is the Serve path's serve/triton_pod/sequences.py): the retry
 # policies of envoy.yaml try such a call on the other Tritons; over HTTP Triton says it only in
 # the body of a 400.
-SEQUENCE_NOT_HELD = "must specify the START flag"
 SEQUENCE_NOT_HELD_HTTP_STATUS = 400
 # The one line of envoy.yaml that says how many retries its policies make (a YAML anchor the
 # others refer to), written by `make gateway-config` from the Serve config (sequence_retries).

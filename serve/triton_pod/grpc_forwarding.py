@@ -12,6 +12,7 @@ import grpc
 
 from .access import ADMIN_HEADER, AUTHORIZATION, UNAUTHENTICATED, TokenCheck
 from .rpcs import RPCS, Rpc, refusal_message
+from .sequences import SEQUENCE_RPC, Answer, not_held
 from .servicer import TIMEOUT_KEY
 
 # The largest message gRPC can frame (a signed 32-bit length).
@@ -72,6 +73,15 @@ async def _copy_status(call: Any, context: CallContext) -> None:
         context.set_details(await call.details() or "")
 
 
+def _give_answer(answer: Answer, context: CallContext) -> None:
+    """Gives the client another replica's Triton's status, as _copy_status gives its own."""
+    if answer.trailing:
+        context.set_trailing_metadata(list(answer.trailing))
+    if answer.code != grpc.StatusCode.OK.name:
+        context.set_code(grpc.StatusCode[answer.code])
+        context.set_details(answer.details)
+
+
 class StreamEndedError(Exception):
     """Ends a stream whose status is not OK.
 
@@ -119,8 +129,34 @@ class GrpcForwarding:
             reply = await call
         except grpc.aio.AioRpcError:
             reply = b""
+        if rpc.name == SEQUENCE_RPC and not_held(await call.code(), await call.details() or ""):
+            answer = await self._held_elsewhere(request, metadata, timeout)
+            if answer is not None:
+                _give_answer(answer, context)
+                return RawMessage(answer.reply)
         await _copy_status(call, context)
         return RawMessage(reply)
+
+    async def _held_elsewhere(self, request: bytes, metadata: list[tuple[str, Any]],
+                              timeout: float | None) -> Answer | None:
+        """Another replica's answer to a call of a sequence this pod's Triton does not hold
+        (sequences.py); None: the refusal stands. Without replicas to ask (this mixin
+        alone), None."""
+        del request, metadata, timeout
+        return None
+
+    async def ask_triton(self, request: bytes, metadata: list[tuple[str, Any]],
+                         timeout: float | None, me: str) -> Answer:
+        """This pod's Triton's ModelInfer answer, whole, for another replica's call."""
+        call = self._unary[SEQUENCE_RPC](request, metadata=metadata, timeout=timeout)
+        try:
+            reply = await call
+        except grpc.aio.AioRpcError:
+            reply = b""
+        trailing = await call.trailing_metadata()
+        return Answer(me, code=(await call.code()).name, details=await call.details() or "",
+                      trailing=tuple((key, value) for key, value in trailing or ()),
+                      reply=reply)
 
     async def forward_stream(
         self, rpc: Rpc, requests: AsyncIterator[bytes], context: CallContext

@@ -9,7 +9,7 @@ gives 503, never a hang."""
 from __future__ import annotations
 
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
 from starlette.requests import Request
@@ -17,6 +17,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from .access import ADMIN_HEADER, AUTHORIZATION, HTTP_ADMIN_HEADER, UNAUTHENTICATED, TokenCheck
 from .rpcs import HTTP_RESTRICTED, Rpc, refusal_message
+from .sequences import HTTP_INFER_PATH, HTTP_REFUSED_STATUS, KEPT_BYTES, HttpAnswer, http_not_held
 
 # Matched against every request's path: compiled once.
 _RESTRICTED_PATHS = tuple((re.compile(rpc.http_path), rpc) for rpc in HTTP_RESTRICTED)
@@ -45,10 +46,35 @@ def restricted_rpc(path: str) -> Rpc | None:
     return next((rpc for pattern, rpc in _RESTRICTED_PATHS if pattern.fullmatch(path)), None)
 
 
-async def _body(request: Request) -> AsyncIterator[bytes]:
+class _Copy:
+    """The bytes of a request's body as they pass, while they fit in KEPT_BYTES."""
+
+    def __init__(self) -> None:
+        self.chunks: list[bytes] = []
+        self.size = 0
+        self.whole = True
+
+    def add(self, chunk: bytes) -> None:
+        if not self.whole:
+            return
+        self.size += len(chunk)
+        if self.size > KEPT_BYTES:
+            self.chunks, self.whole = [], False
+        else:
+            self.chunks.append(chunk)
+
+
+async def _body(request: Request, copy: _Copy | None = None) -> AsyncIterator[bytes]:
     async for chunk in request.stream():
         if chunk:
+            if copy is not None:
+                copy.add(chunk)
             yield chunk
+
+
+# Asks the other replicas an HTTP infer that this pod's Triton refused as not holding its
+# sequence (method, path and query, headers, body); None: the refusal stands (pod.py).
+HeldElsewhere = Callable[[str, str, list[tuple[str, str]], bytes], Awaitable[HttpAnswer | None]]
 
 
 # How long a connection to Triton may sit idle before this pod closes it. Triton's graceful
@@ -66,6 +92,8 @@ class HttpForwarder:
         self._tokens = tokens
         self._admin_key = admin_key
         self._session: aiohttp.ClientSession | None = None
+        # Set by the replica (pod.py); without it an HTTP infer's refusal stands.
+        self.held_elsewhere: HeldElsewhere | None = None
 
     def _client(self) -> aiohttp.ClientSession:
         # Made on first use, inside the replica's event loop. No total timeout: an inference
@@ -87,6 +115,19 @@ class HttpForwarder:
                 timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
             return response.status, await response.read()
 
+    async def ask(self, method: str, path: str, headers: list[tuple[str, str]],
+                  body: bytes) -> tuple[int, tuple[tuple[str, str], ...], bytes]:
+        """Another replica's HTTP infer (sequences.py), to this pod's Triton, whole: its
+        status, the headers a client gets, and its body."""
+        sent = [(key, value) for key, value in headers if key.lower() != "content-length"]
+        async with self._client().request(
+                method, f"http://{self.address}{path}", headers=sent, data=body,
+                allow_redirects=False,
+                skip_auto_headers=("User-Agent", "Content-Type")) as response:
+            returned = tuple((key, value) for key, value in response.headers.items()
+                             if key.lower() not in _NOT_RETURNED)
+            return response.status, returned, await response.read()
+
     async def forward(self, request: Request) -> Response:
         if self._tokens is not None and not self._tokens.allows(
                 [(AUTHORIZATION, request.headers.get(AUTHORIZATION, ""))]):
@@ -101,17 +142,22 @@ class HttpForwarder:
                 return error(403, refusal_message(rpc))
             if self._admin_key:
                 headers.append((HTTP_ADMIN_HEADER, self._admin_key))
-        url = f"http://{self.address}{path}"
-        if request.url.query:
-            url += "?" + request.url.query
+        target = path + ("?" + request.url.query if request.url.query else "")
+        url = f"http://{self.address}{target}"
         length = request.headers.get("content-length")
+        # An inference's body is kept for asking elsewhere (sequences.py), up to KEPT_BYTES.
+        copy = _Copy() if (self.held_elsewhere is not None and HTTP_INFER_PATH.fullmatch(path)
+                           and (length is None or (length.isdigit()
+                                                   and int(length) <= KEPT_BYTES))) else None
         data: bytes | AsyncIterator[bytes]
         if length is not None:
             # Streamed to Triton as it arrives, with the client's length (no chunking).
             headers.append(("Content-Length", length))
-            data = _body(request)
+            data = _body(request, copy)
         else:
             data = await request.body()
+            if copy is not None:
+                copy.add(data)
         try:
             upstream = await self._client().request(
                 request.method, url, headers=headers, data=data,
@@ -121,6 +167,20 @@ class HttpForwarder:
             return error(503, f"Triton at {self.address} did not answer: {exc}")
         returned = [(key, value) for key, value in upstream.headers.items()
                     if key.lower() not in _NOT_RETURNED]
+        if (copy is not None and copy.whole and self.held_elsewhere is not None
+                and upstream.status == HTTP_REFUSED_STATUS):
+            # A refusal is a short error: read whole, to see whether it is the sequence's.
+            try:
+                refusal = await upstream.read()
+            finally:
+                upstream.release()
+            answer = None
+            if http_not_held(upstream.status, refusal):
+                answer = await self.held_elsewhere(request.method, target, headers,
+                                                   b"".join(copy.chunks))
+            if answer is not None:
+                return _whole(answer.status, list(answer.headers), answer.body)
+            return _whole(upstream.status, returned, refusal)
 
         async def body() -> AsyncIterator[bytes]:
             try:
@@ -134,3 +194,11 @@ class HttpForwarder:
         response.raw_headers = [(k.lower().encode("latin-1"), v.encode("latin-1"))
                                 for k, v in returned]
         return response
+
+
+def _whole(status: int, headers: list[tuple[str, str]], body: bytes) -> Response:
+    """An answer read whole, with Triton's headers as Triton sent them."""
+    response = Response(body, status_code=status)
+    response.raw_headers = [(k.lower().encode("latin-1"), v.encode("latin-1"))
+                            for k, v in headers]
+    return response

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -28,7 +29,9 @@ from .access import HTTP_ADMIN_HEADER, TokenCheck, admin_key
 from .grpc_forwarding import MAX_MESSAGE_BYTES, GrpcForwarding, install_rpc_methods
 from .http_forwarding import HttpForwarder
 from .pod_ready import POD_READY_PORT_ENV, TRITON_CHECK_S, PodReadiness
+from .routing import ASKED
 from .rpcs import BY_NAME, REFUSABLE, RPCS
+from .sequences import Answer, AnswerT, HttpAnswer, held_elsewhere
 from .triton_metrics import QUEUE_METRIC, QueueTime, scrape
 from .warmup import WarmupArgs, WarmupError, warm_up
 
@@ -125,6 +128,7 @@ class TritonPod(GrpcForwarding):
         self._admin_key = admin_key()
         self._http = HttpForwarder(args.triton_http_address, self._allowed, self._tokens,
                                    self._admin_key)
+        self._http.held_elsewhere = self._http_held_elsewhere
         self._readiness = PodReadiness(self._triton_ready)
         self._warmup_seconds = Gauge(
             "sonic_ray_warmup_seconds", "Seconds the last warm-up of a model took on this pod",
@@ -135,6 +139,8 @@ class TritonPod(GrpcForwarding):
             "sonic_ray_warmup_failures", "Warm-ups of a model that failed or ran out of time",
             tag_keys=("model",))
         self._warm_failed: str | None = None
+        # This deployment's handle, made on the first call of a sequence held elsewhere.
+        self._peers: Any = None
         # The last warm-up's gauges, recorded again now and then (GAUGES_AGAIN_S).
         self._gauges: dict[str | None, float] = {}
         await self._readiness.start(int(os.environ.get(POD_READY_PORT_ENV) or args.ready_port))
@@ -279,6 +285,69 @@ class TritonPod(GrpcForwarding):
                 next_log = now + 10.0
             await asyncio.sleep(0.5)
 
+    async def infer_if_held(self, request: bytes, metadata: list[tuple[str, Any]],
+                            timeout: float | None, asked: list[str]) -> Answer:
+        """Another replica's call of a sequence its Triton does not hold, asked of this one
+        (sequences.py; routing.py sends it to a replica not in `asked`); answered at once if
+        this one was asked before."""
+        me = serve.get_replica_context().replica_tag
+        if me in asked:
+            return Answer(me, asked_before=True)
+        return await self.ask_triton(request, metadata, timeout, me)
+
+    async def http_if_held(self, method: str, path: str, headers: list[tuple[str, str]],
+                           body: bytes, asked: list[str]) -> HttpAnswer:
+        """infer_if_held for an HTTP infer."""
+        me = serve.get_replica_context().replica_tag
+        if me in asked:
+            return HttpAnswer(me, asked_before=True)
+        status, returned, reply = await self._http.ask(method, path, headers, body)
+        return HttpAnswer(me, status=status, headers=returned, body=reply)
+
+    async def _held_elsewhere(self, request: bytes, metadata: list[tuple[str, Any]],
+                              timeout: float | None) -> Answer | None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        async def ask(peers: Any, asked: list[str]) -> Answer:
+            left = None if deadline is None else max(deadline - time.monotonic(), 0.001)
+            answer: Answer = await peers.infer_if_held.remote(request, metadata, left,
+                                                              **{ASKED: asked})
+            return answer
+
+        return await self._ask_others(ask)
+
+    async def _http_held_elsewhere(self, method: str, path: str,
+                                   headers: list[tuple[str, str]],
+                                   body: bytes) -> HttpAnswer | None:
+        async def ask(peers: Any, asked: list[str]) -> HttpAnswer:
+            answer: HttpAnswer = await peers.http_if_held.remote(method, path, headers, body,
+                                                                 **{ASKED: asked})
+            return answer
+
+        return await self._ask_others(ask)
+
+    async def _ask_others(self, ask: Callable[[Any, list[str]], Awaitable[AnswerT]],
+                          ) -> AnswerT | None:
+        """held_elsewhere (sequences.py) over this deployment's other replicas, each question
+        put by `ask` (this deployment's handle, the replicas asked so far)."""
+        context = serve.get_replica_context()
+        try:
+            replicas = await asyncio.to_thread(running_replicas, context.app_name,
+                                               context.deployment)
+            if replicas < 2:
+                return None
+            if self._peers is None:
+                self._peers = serve.get_deployment_handle(context.deployment, context.app_name)
+            peers = self._peers
+            return await held_elsewhere(lambda asked: ask(peers, asked), context.replica_tag,
+                                        replicas)
+        # Whatever Serve raises, the refusal stands (and is said).
+        except Exception as error:
+            logger.warning("a call of a sequence this pod's Triton does not hold was not "
+                           "asked of the other replicas: %r; the client gets the refusal",
+                           error)
+            return None
+
     async def __call__(self, request: Request) -> Response:
         """Serve's HTTP proxy: Triton's HTTP/REST API, passed to this pod's Triton."""
         return await self._http.forward(request)
@@ -296,6 +365,16 @@ class TritonPod(GrpcForwarding):
         """Serve's custom-metrics hook: this replica's Triton queue time per execution."""
         counters = await asyncio.to_thread(scrape, self._args.triton_metrics_url, 5.0)
         return {QUEUE_METRIC: self._queue_time.update(counters)}
+
+
+def running_replicas(app: str, deployment: str) -> int:
+    """How many replicas of the deployment run now (Serve's controller)."""
+    overview = serve.status().applications.get(app)
+    found = overview.deployments.get(deployment) if overview is not None else None
+    if found is None:
+        return 0
+    # Serve's ReplicaState is a str enum: its RUNNING equals the string.
+    return sum(count for state, count in found.replica_states.items() if state == "RUNNING")
 
 
 install_rpc_methods(TritonPod)

@@ -23,7 +23,7 @@ import tritonclient.http as th
 from tritonclient.utils import InferenceServerException
 
 from gateway import local as gateway
-from gateway.routes import HTTP_CLUSTER, SEQUENCE_NOT_HELD
+from gateway.routes import HTTP_CLUSTER
 from local_stack import triton
 from local_stack.polling import until
 from local_stack.ports import free_ports
@@ -31,6 +31,7 @@ from local_stack.processes import end_session, free_orphaned_regions, spawn, ter
 from local_stack.settings import Settings, TritonPorts
 from tests.support.examples import SEQUENCE_EXAMPLES, sequence_example_passed
 from tests.support.lone_gateway import envoy_before
+from triton_pod.sequences import SEQUENCE_NOT_HELD
 
 pytestmark = pytest.mark.processes
 
