@@ -43,6 +43,10 @@ TRITON_ADDRESS_ENV = "SONIC_RAY_TRITON_ADDRESS"
 TRITON_HTTP_ADDRESS_ENV = "SONIC_RAY_TRITON_HTTP_ADDRESS"
 TRITON_METRICS_URL_ENV = "SONIC_RAY_TRITON_METRICS_URL"
 GAUGES_AGAIN_S = 10.0
+# How long a count of the deployment's running replicas serves the calls of sequences held
+# elsewhere (one question to Serve's controller, not one per such call). A replica added since
+# holds no sequence yet; one gone since answers that it was asked (sequences.py).
+REPLICAS_AGAIN_S = 2.0
 
 
 class TritonPodArgs(BaseModel):
@@ -139,8 +143,10 @@ class TritonPod(GrpcForwarding):
             "sonic_ray_warmup_failures", "Warm-ups of a model that failed or ran out of time",
             tag_keys=("model",))
         self._warm_failed: str | None = None
-        # This deployment's handle, made on the first call of a sequence held elsewhere.
+        # This deployment's handle, made on the first call of a sequence held elsewhere, and
+        # when its running replicas were last counted, and how many.
         self._peers: Any = None
+        self._replicas_seen: tuple[float, int] | None = None
         # The last warm-up's gauges, recorded again now and then (GAUGES_AGAIN_S).
         self._gauges: dict[str | None, float] = {}
         await self._readiness.start(int(os.environ.get(POD_READY_PORT_ENV) or args.ready_port))
@@ -332,8 +338,11 @@ class TritonPod(GrpcForwarding):
         put by `ask` (this deployment's handle, the replicas asked so far)."""
         context = serve.get_replica_context()
         try:
-            replicas = await asyncio.to_thread(running_replicas, context.app_name,
-                                               context.deployment)
+            now = time.monotonic()
+            if self._replicas_seen is None or now - self._replicas_seen[0] >= REPLICAS_AGAIN_S:
+                self._replicas_seen = (now, await asyncio.to_thread(
+                    running_replicas, context.app_name, context.deployment))
+            replicas = self._replicas_seen[1]
             if replicas < 2:
                 return None
             if self._peers is None:

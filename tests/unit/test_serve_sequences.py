@@ -19,7 +19,7 @@ from ray import serve
 
 import triton_pod.pod as pod_module
 from tests.unit.test_triton_pod import FakeContext, started_forwarder
-from triton_pod.pod import TritonPod, TritonPodArgs
+from triton_pod.pod import REPLICAS_AGAIN_S, TritonPod, TritonPodArgs
 from triton_pod.routing import ASKED, SequenceRouter, asked_of
 from triton_pod.rpcs import BY_NAME
 from triton_pod.sequences import PICKS_PER_REPLICA, SEQUENCE_NOT_HELD, Answer, held_elsewhere
@@ -61,6 +61,8 @@ class Router:
         self.replicas = replicas
         self.current = ""
         self.picks = 0
+        # How often Serve's controller was asked how many replicas run.
+        self.counted = 0
         self.infer_if_held = SimpleNamespace(remote=self._remote)
 
     async def _remote(self, *args: Any, **kwargs: Any) -> Answer:
@@ -89,7 +91,11 @@ def _on_pods(holder: str | None, scenario: Callable[[Router, list[str]], Awaitab
                 triton_address=f"127.0.0.1:{port}"))
         router = Router(replicas)
         monkeypatch.setattr(serve, "get_replica_context", router.context)
-        monkeypatch.setattr(pod_module, "running_replicas", lambda app, deployment: 3)
+        def running_replicas(app: str, deployment: str) -> int:
+            router.counted += 1
+            return 3
+
+        monkeypatch.setattr(pod_module, "running_replicas", running_replicas)
         for replica in replicas.values():
             replica._peers = router
         try:
@@ -111,6 +117,20 @@ def test_a_call_of_a_sequence_held_elsewhere_gets_the_holders_answer(
         assert context.code is None and context.trailing == [("held-by", "c")]
         # Each Triton ran or refused the call once: never twice, never after the holder.
         assert calls[0] == "a" and calls[-1] == "c" and sorted(calls) == sorted(set(calls))
+
+    _on_pods("c", scenario, monkeypatch)
+
+
+def test_serves_controller_counts_the_replicas_once_for_many_such_calls(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    async def scenario(router: Router, calls: list[str]) -> None:
+        for _ in range(5):
+            router.current = "a"
+            context = FakeContext([])
+            reply = await router.replicas["a"].forward_unary(BY_NAME["ModelInfer"], b"seq",
+                                                             context)
+            assert reply.SerializeToString() == b"ran:seq"
+        assert router.counted == 1, f"{router.counted} counts for 5 calls within {REPLICAS_AGAIN_S} s"
 
     _on_pods("c", scenario, monkeypatch)
 
