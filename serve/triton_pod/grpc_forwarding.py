@@ -62,15 +62,31 @@ def _forwarded_metadata(context: CallContext) -> tuple[list[tuple[str, Any]], fl
     return metadata, timeout
 
 
+async def _call_unary(method: Any, request: bytes, metadata: list[tuple[str, Any]],
+                      timeout: float | None) -> tuple[Any, bytes, grpc.aio.AioRpcError | None]:
+    """One unary call to Triton: the call (for its status), its reply, and its error."""
+    call = method(request, metadata=metadata, timeout=timeout)
+    try:
+        return call, await call, None
+    except grpc.aio.AioRpcError as refused:
+        return call, b"", refused
+
+
+async def _status(call: Any) -> tuple[grpc.StatusCode, str, list[tuple[str, Any]]]:
+    """Triton's status code, details and trailing metadata of a call, as Triton sent them."""
+    code = await call.code()
+    details = "" if code == grpc.StatusCode.OK else await call.details() or ""
+    return code, details, [(key, value) for key, value in await call.trailing_metadata() or ()]
+
+
 async def _copy_status(call: Any, context: CallContext) -> None:
     """Gives the client Triton's status, details and trailing metadata as Triton sent them."""
-    code = await call.code()
-    trailing = await call.trailing_metadata()
+    code, details, trailing = await _status(call)
     if trailing:
-        context.set_trailing_metadata([(key, value) for key, value in trailing])
+        context.set_trailing_metadata(trailing)
     if code != grpc.StatusCode.OK:
         context.set_code(code)
-        context.set_details(await call.details() or "")
+        context.set_details(details)
 
 
 def _give_answer(answer: Answer, context: CallContext) -> None:
@@ -124,12 +140,12 @@ class GrpcForwarding:
         metadata, timeout = _forwarded_metadata(context)
         if rpc.restricted and self._admin_key:
             metadata.append((ADMIN_HEADER, self._admin_key))
-        call = self._unary[rpc.name](request, metadata=metadata, timeout=timeout)
-        try:
-            reply = await call
-        except grpc.aio.AioRpcError:
-            reply = b""
-        if rpc.name == SEQUENCE_RPC and not_held(await call.code(), await call.details() or ""):
+        call, reply, refused = await _call_unary(self._unary[rpc.name], request, metadata,
+                                                 timeout)
+        # Only a refused call is read for the sequence's words: an answered one costs nothing
+        # more.
+        if (refused is not None and rpc.name == SEQUENCE_RPC
+                and not_held(refused.code(), refused.details() or "")):
             answer = await self._held_elsewhere(request, metadata, timeout)
             if answer is not None:
                 _give_answer(answer, context)
@@ -148,14 +164,10 @@ class GrpcForwarding:
     async def ask_triton(self, request: bytes, metadata: list[tuple[str, Any]],
                          timeout: float | None, me: str) -> Answer:
         """This pod's Triton's ModelInfer answer, whole, for another replica's call."""
-        call = self._unary[SEQUENCE_RPC](request, metadata=metadata, timeout=timeout)
-        try:
-            reply = await call
-        except grpc.aio.AioRpcError:
-            reply = b""
-        trailing = await call.trailing_metadata()
-        return Answer(me, code=(await call.code()).name, details=await call.details() or "",
-                      trailing=tuple((key, value) for key, value in trailing or ()),
+        call, reply, _ = await _call_unary(self._unary[SEQUENCE_RPC], request, metadata,
+                                           timeout)
+        code, details, trailing = await _status(call)
+        return Answer(me, code=code.name, details=details, trailing=tuple(trailing),
                       reply=reply)
 
     async def forward_stream(

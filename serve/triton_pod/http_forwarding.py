@@ -17,7 +17,15 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from .access import ADMIN_HEADER, AUTHORIZATION, HTTP_ADMIN_HEADER, UNAUTHENTICATED, TokenCheck
 from .rpcs import HTTP_RESTRICTED, Rpc, refusal_message
-from .sequences import HTTP_INFER_PATH, HTTP_REFUSED_STATUS, KEPT_BYTES, HttpAnswer, http_not_held
+from .sequences import (
+    HTTP_INFER_PATH,
+    HTTP_REFUSED_STATUS,
+    INFERENCE_HEADER_LENGTH,
+    KEPT_BYTES,
+    SEQUENCE_ID_KEY,
+    HttpAnswer,
+    http_not_held,
+)
 
 # Matched against every request's path: compiled once.
 _RESTRICTED_PATHS = tuple((re.compile(rpc.http_path), rpc) for rpc in HTTP_RESTRICTED)
@@ -47,12 +55,17 @@ def restricted_rpc(path: str) -> Rpc | None:
 
 
 class _Copy:
-    """The bytes of a request's body as they pass, while they fit in KEPT_BYTES."""
+    """The bytes of a request's body as they pass, while they fit in KEPT_BYTES, kept past the
+    body's end only when its JSON header names a sequence (a plain call keeps nothing while
+    Triton runs it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, header_bytes: int | None) -> None:
         self.chunks: list[bytes] = []
         self.size = 0
         self.whole = True
+        # Binary-tensor requests give their JSON header's length (Inference-Header-Content-
+        # Length); a JSON request's header is all of it.
+        self._header_bytes = header_bytes
 
     def add(self, chunk: bytes) -> None:
         if not self.whole:
@@ -63,6 +76,19 @@ class _Copy:
         else:
             self.chunks.append(chunk)
 
+    def end(self) -> None:
+        """The body has passed: the copy goes unless its header names a sequence."""
+        if self.whole and SEQUENCE_ID_KEY not in self._header():
+            self.chunks, self.whole = [], False
+
+    def _header(self) -> bytes:
+        if len(self.chunks) == 1 and self._header_bytes is None:
+            return self.chunks[0]  # the common case, read in place
+        return self.body()[:self._header_bytes]
+
+    def body(self) -> bytes:
+        return b"".join(self.chunks)
+
 
 async def _body(request: Request, copy: _Copy | None = None) -> AsyncIterator[bytes]:
     async for chunk in request.stream():
@@ -70,6 +96,8 @@ async def _body(request: Request, copy: _Copy | None = None) -> AsyncIterator[by
             if copy is not None:
                 copy.add(chunk)
             yield chunk
+    if copy is not None:
+        copy.end()
 
 
 # Asks the other replicas an HTTP infer that this pod's Triton refused as not holding its
@@ -146,9 +174,9 @@ class HttpForwarder:
         url = f"http://{self.address}{target}"
         length = request.headers.get("content-length")
         # An inference's body is kept for asking elsewhere (sequences.py), up to KEPT_BYTES.
-        copy = _Copy() if (self.held_elsewhere is not None and HTTP_INFER_PATH.fullmatch(path)
-                           and (length is None or (length.isdigit()
-                                                   and int(length) <= KEPT_BYTES))) else None
+        copy = _Copy(_header_bytes(request)) if (
+            self.held_elsewhere is not None and HTTP_INFER_PATH.fullmatch(path)
+            and (length is None or (length.isdigit() and int(length) <= KEPT_BYTES))) else None
         data: bytes | AsyncIterator[bytes]
         if length is not None:
             # Streamed to Triton as it arrives, with the client's length (no chunking).
@@ -158,6 +186,7 @@ class HttpForwarder:
             data = await request.body()
             if copy is not None:
                 copy.add(data)
+                copy.end()
         try:
             upstream = await self._client().request(
                 request.method, url, headers=headers, data=data,
@@ -177,7 +206,7 @@ class HttpForwarder:
             answer = None
             if http_not_held(upstream.status, refusal):
                 answer = await self.held_elsewhere(request.method, target, headers,
-                                                   b"".join(copy.chunks))
+                                                   copy.body())
             if answer is not None:
                 return _whole(answer.status, list(answer.headers), answer.body)
             return _whole(upstream.status, returned, refusal)
@@ -189,16 +218,22 @@ class HttpForwarder:
             finally:
                 upstream.release()
 
-        response = StreamingResponse(body(), status_code=upstream.status)
-        # Triton's headers as Triton sent them (StreamingResponse would add its own).
-        response.raw_headers = [(k.lower().encode("latin-1"), v.encode("latin-1"))
-                                for k, v in returned]
-        return response
+        return _with_headers(StreamingResponse(body(), status_code=upstream.status), returned)
+
+
+def _with_headers(response: Response, headers: list[tuple[str, str]]) -> Response:
+    """The response with Triton's headers as Triton sent them (Starlette would add its own)."""
+    response.raw_headers = [(k.lower().encode("latin-1"), v.encode("latin-1"))
+                            for k, v in headers]
+    return response
 
 
 def _whole(status: int, headers: list[tuple[str, str]], body: bytes) -> Response:
     """An answer read whole, with Triton's headers as Triton sent them."""
-    response = Response(body, status_code=status)
-    response.raw_headers = [(k.lower().encode("latin-1"), v.encode("latin-1"))
-                            for k, v in headers]
-    return response
+    return _with_headers(Response(body, status_code=status), headers)
+
+
+def _header_bytes(request: Request) -> int | None:
+    """The length of a binary-tensor request's JSON header; None: the body is all JSON."""
+    value = request.headers.get(INFERENCE_HEADER_LENGTH, "")
+    return int(value) if value.isdigit() else None

@@ -31,7 +31,7 @@ from .http_forwarding import HttpForwarder
 from .pod_ready import POD_READY_PORT_ENV, TRITON_CHECK_S, PodReadiness
 from .routing import ASKED
 from .rpcs import BY_NAME, REFUSABLE, RPCS
-from .sequences import Answer, AnswerT, HttpAnswer, held_elsewhere
+from .sequences import INFERENCE_HEADER_LENGTH, Answer, AnswerT, HttpAnswer, held_elsewhere
 from .triton_metrics import QUEUE_METRIC, QueueTime, scrape
 from .warmup import WarmupArgs, WarmupError, warm_up
 
@@ -173,7 +173,7 @@ class TritonPod(GrpcForwarding):
         headers = {"Content-Type": "application/octet-stream" if header_length is not None
                    else "application/json"}
         if header_length is not None:
-            headers["Inference-Header-Content-Length"] = str(header_length)
+            headers[INFERENCE_HEADER_LENGTH] = str(header_length)
         return await self._request("POST", path, body, headers, timeout_s)
 
     async def _request(self, method: str, path: str, body: bytes | None,

@@ -5,8 +5,8 @@ call on its own, so a ModelInfer, or an HTTP infer, that its pod's Triton refuse
 of the other replicas (`infer_if_held` and `http_if_held` in pod.py, each question routed to a
 replica not asked yet by routing.py), each Triton once, until the one holding the sequence
 runs it; when none does, the client gets the refusal. Calls that are not refused so cost
-nothing more (an HTTP infer's body is kept, up to KEPT_BYTES, while it streams to Triton); a
-ModelStreamInfer stream stays on one Triton anyway."""
+nothing more (an HTTP infer's body is kept, up to KEPT_BYTES, while it streams to Triton, and
+past that only when it names a sequence); a ModelStreamInfer stream stays on one Triton anyway."""
 
 from __future__ import annotations
 
@@ -32,6 +32,11 @@ HTTP_REFUSED_STATUS = 400
 # An HTTP infer's body is kept for asking elsewhere up to this size, as the gateway keeps a
 # request for a retry (gateway/envoy.yaml's per-request buffer); a larger one's refusal stands.
 KEPT_BYTES = 1 << 20
+# Once passed, the body is kept only when its JSON header holds this key (the parameter that
+# names a call's sequence, written so by Triton's clients), the header being the first
+# INFERENCE_HEADER_LENGTH bytes of a binary-tensor request and all of a JSON one.
+SEQUENCE_ID_KEY = b'"sequence_id"'
+INFERENCE_HEADER_LENGTH = "inference-header-content-length"
 
 
 class Asked(Protocol):

@@ -19,10 +19,17 @@ from ray import serve
 
 import triton_pod.pod as pod_module
 from tests.unit.test_triton_pod import FakeContext, started_forwarder
+from triton_pod.http_forwarding import _Copy
 from triton_pod.pod import REPLICAS_AGAIN_S, TritonPod, TritonPodArgs
 from triton_pod.routing import ASKED, SequenceRouter, asked_of
 from triton_pod.rpcs import BY_NAME
-from triton_pod.sequences import PICKS_PER_REPLICA, SEQUENCE_NOT_HELD, Answer, held_elsewhere
+from triton_pod.sequences import (
+    KEPT_BYTES,
+    PICKS_PER_REPLICA,
+    SEQUENCE_NOT_HELD,
+    Answer,
+    held_elsewhere,
+)
 
 READY = b"\x08\x01"
 REFUSAL = f"inference request for sequence 7 to model 'acc' must specify the {SEQUENCE_NOT_HELD}"
@@ -193,3 +200,26 @@ def test_picks_that_keep_landing_on_asked_replicas_end_with_the_refusal() -> Non
 
     assert asyncio.run(held_elsewhere(ask, "a", 3)) is None
     assert len(picks) == PICKS_PER_REPLICA * 3 and picks[-1] == ["a", "b"]
+
+
+@pytest.mark.parametrize(("chunks", "header_bytes", "kept"), [
+    # Triton's JSON request: its parameters name the sequence, or do not.
+    ([b'{"parameters": {"sequence_id": 7}, "inputs": []}'], None, True),
+    ([b'{"inputs": [{"name": "x", "data": [1]}]}'], None, False),
+    # The key split across two chunks of the body.
+    ([b'{"parameters": {"sequ', b'ence_id": 7}}'], None, True),
+    # Binary tensors: only the JSON header (its length given) is read for the key.
+    ([b'{"parameters":{"sequence_id":7}}', b"\x00" * 64], 32, True),
+    ([b'{"inputs":[]}', b'"sequence_id"'], 13, False),
+    # Past KEPT_BYTES nothing is kept, whatever the header says.
+    ([b'{"parameters": {"sequence_id": 7}}', b"\x00" * KEPT_BYTES], None, False),
+])
+def test_an_http_infer_keeps_its_body_past_its_end_only_when_it_names_a_sequence(
+        chunks: list[bytes], header_bytes: int | None, kept: bool) -> None:
+    """http_forwarding.py's copy of a body: a plain call keeps nothing while Triton runs it."""
+    copy = _Copy(header_bytes)
+    for chunk in chunks:
+        copy.add(chunk)
+    copy.end()
+    assert copy.whole is kept
+    assert copy.body() == (b"".join(chunks) if kept else b""), "the copy kept the wrong bytes"
