@@ -20,6 +20,10 @@ from local_stack.triton_inputs import simple_inputs
 from tests.stack.conftest import Stack
 
 DEADLINE_S = 10.0
+# The load ends once calls have succeeded again on both protocols for this long after the
+# kill's last failure (or after LOAD_S): recovery seen, not a fixed minute waited out.
+RECOVERED_FOR_S = 5.0
+LOAD_S = 60.0
 
 
 def _inputs() -> list[tc.InferInput]:
@@ -30,15 +34,18 @@ def _inputs() -> list[tc.InferInput]:
 @pytest.mark.disruptive
 def test_triton_killed_under_load_calls_end_with_a_status_then_recover(stack: Stack) -> None:
     seen = len(stack.process.lines)
-    outcomes: list[tuple[float, str, float]] = []  # (started after kill, status, seconds)
-    killed_at = 0.0
+    # (started, status, seconds); `started` on the monotonic clock, made relative to the kill
+    # once it happened: calls before it are never counted as recovered after it.
+    outcomes: list[tuple[float, str, float]] = []
+    killed_at: float | None = None
+    recovered_event = asyncio.Event()
 
     async def load(seconds: float) -> None:
         client = tc_aio.InferenceServerClient(stack.url)
         end = time.monotonic() + seconds
 
         async def worker() -> None:
-            while time.monotonic() < end:
+            while time.monotonic() < end and not recovered_event.is_set():
                 started = time.monotonic()
                 try:
                     # Half of the calls sit in Triton for a moment, so some are in flight at the kill.
@@ -52,7 +59,7 @@ def test_triton_killed_under_load_calls_end_with_a_status_then_recover(stack: St
                 except InferenceServerException as error:
                     status = str(error.status())
                     await asyncio.sleep(0.2)
-                outcomes.append((started - killed_at, status, time.monotonic() - started))
+                outcomes.append((started, status, time.monotonic() - started))
 
         try:
             await asyncio.gather(*(worker() for _ in range(8)))
@@ -69,7 +76,7 @@ def test_triton_killed_under_load_calls_end_with_a_status_then_recover(stack: St
         timeout = aiohttp.ClientTimeout(total=DEADLINE_S)
         async with aiohttp.ClientSession(timeout=timeout) as session:
             async def worker() -> None:
-                while time.monotonic() < end:
+                while time.monotonic() < end and not recovered_event.is_set():
                     started = time.monotonic()
                     try:
                         async with session.post(f"http://{stack.http_url}/v2/models/simple/infer",
@@ -81,19 +88,30 @@ def test_triton_killed_under_load_calls_end_with_a_status_then_recover(stack: St
                                 await asyncio.sleep(0.2)
                     except (aiohttp.ClientError, TimeoutError, ValueError) as error:
                         status = f"no status: {type(error).__name__}"
-                    http_outcomes.append((started - killed_at, status, time.monotonic() - started))
+                    http_outcomes.append((started, status, time.monotonic() - started))
 
             await asyncio.gather(*(worker() for _ in range(4)))
 
+    async def watch() -> None:
+        while not (_recovered(outcomes, "OK", killed_at)
+                   and _recovered(http_outcomes, "200", killed_at)):
+            await asyncio.sleep(0.5)
+        recovered_event.set()
+
     async def kill_under_load() -> None:
         nonlocal killed_at
-        task = asyncio.gather(load(60), http_load(60))
+        task = asyncio.gather(load(LOAD_S), http_load(LOAD_S))
         await asyncio.sleep(3)
         killed_at = time.monotonic()
         os.kill(stack.process.triton_pid(), signal.SIGKILL)
+        watcher = asyncio.ensure_future(watch())
         await task
+        watcher.cancel()
 
     asyncio.run(kill_under_load())
+    assert killed_at is not None
+    outcomes = _after(outcomes, killed_at)
+    http_outcomes = _after(http_outcomes, killed_at)
     stack.process.wait_for_line(r"triton 0 exited with status -9; restarting", 30, after=seen)
     stack.process.wait_for_line(r"triton 0 started \(pid \d+\)", 60, after=seen)
 
@@ -125,3 +143,23 @@ def test_triton_killed_under_load_calls_end_with_a_status_then_recover(stack: St
         result = tc.InferenceServerClient(stack.url).infer("simple", _inputs(),
                                                                   client_timeout=30)
         np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), np.full((1, 16), 2))
+
+
+def _after(outcomes: list[tuple[float, str, float]],
+           killed_at: float) -> list[tuple[float, str, float]]:
+    """Each call's start made relative to the kill (negative: started before it)."""
+    return [(started - killed_at, status, took) for started, status, took in outcomes]
+
+
+def _recovered(outcomes: list[tuple[float, str, float]], ok: str,
+               killed_at: float | None) -> bool:
+    """Whether calls started after the kill's last failure have succeeded for
+    RECOVERED_FOR_S; False until the kill cost a call."""
+    if killed_at is None:
+        return False
+    after = _after(list(outcomes), killed_at)
+    failures = [t for t, status, _ in after if t >= 0 and status != ok]
+    if not failures:
+        return False
+    since = [t for t, status, _ in after if status == ok and t > max(failures)]
+    return bool(since) and max(since) - min(since) >= RECOVERED_FOR_S
