@@ -11,7 +11,7 @@ KUBECTLS := $(VENV)/bin/kubectl $(wildcard /usr/bin/kubectl)
 # schema/check.py (DEFAULT_KUBERNETES_VERSION).
 CHECK := $(PY) -m schema.check
 
-.PHONY: venv test unit gateway-tests lint local cluster cluster-tools observe bench bench-node bench-warmup validate check check-cluster-crd prewarm schemas gateway-config observability generate prometheus lock clean
+.PHONY: venv test unit gateway-tests lint local cluster cluster-tools observe bench bench-node bench-sequences bench-warmup validate check check-cluster-crd prewarm schemas gateway-config observability generate prometheus lock clean
 
 venv: $(VENV)/.installed
 
@@ -172,6 +172,11 @@ bench: venv
 # cores (apart from Triton's and the clients' with 8 cores or more); ratios, CPU per call.
 bench-node: venv
 	$(PY) -m bench.node
+
+# What a sequence's call costs through the gateway with two Tritons, beside a plain call, and
+# against direct Triton (bench/sequences.py): calls/s, Envoy CPU and tries per call.
+bench-sequences: venv
+	$(PY) -m bench.sequences
 
 # What the warm-up costs at start and saves the first calls (bench/warmup.py): make local with
 # two pods, warm-up on and off; the ready line's time and the first calls' latencies.

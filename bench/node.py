@@ -125,14 +125,14 @@ def _ready(url: str, headers: dict[str, str] | None = None) -> object:
         client.close()
 
 
-def _gateway_config(folder: Path, triton_grpc: int, triton_http: int,
-                    shares: dict[str, int] | None = None) -> tuple[Path, Settings]:
-    """The shipped config as make local runs it, its Tritons the one Triton here."""
+def gateway_config(folder: Path, triton_grpc: list[int], triton_http: list[int],
+                   shares: dict[str, int] | None = None) -> tuple[Path, Settings]:
+    """The shipped config as make local runs it, its Tritons those on these ports."""
     names = ("GRPC_PORT", "HTTP_PORT", "GATEWAY_METRICS_PORT", "GATEWAY_ADMIN_PORT",
              "ADMISSION_PORT")
     settings = Settings.from_env({**os.environ, **dict(zip(names, map(
         str, free_ports(len(names))), strict=True))})
-    return write_lone_config(settings, folder, [triton_grpc], [triton_http], shares), settings
+    return write_lone_config(settings, folder, triton_grpc, triton_http, shares), settings
 
 
 def bare(config: dict[str, Any]) -> dict[str, Any]:
@@ -193,7 +193,7 @@ def haproxy_config(port: int, triton_grpc: int, layer: str) -> str:
 def proxies(work: Path, triton_grpc: int, triton_http: int, cores: Cores,
             paths: list[str]) -> Iterator[dict[str, tuple[str, int]]]:
     """Each proxy asked for, started: path -> (its gRPC address, its pid)."""
-    config_path, settings = _gateway_config(work / "gateway", triton_grpc, triton_http)
+    config_path, settings = gateway_config(work / "gateway", [triton_grpc], [triton_http])
     config = yaml.safe_load(config_path.read_text())
     env = gateway_env(settings, secrets.token_hex(16))
     started: dict[str, Any] = {}
@@ -207,8 +207,8 @@ def proxies(work: Path, triton_grpc: int, triton_http: int, cores: Cores,
             [*envoy_args, str(config_path)])), work / "gateway.log", env)
         addresses["gateway"] = f"localhost:{settings.grpc_port}"
     if "gateway-checked" in paths:
-        path, checked_settings = _gateway_config(work / "checked", triton_grpc, triton_http,
-                                                 {CHECKED_TENANT: 1000000})
+        path, checked_settings = gateway_config(work / "checked", [triton_grpc], [triton_http],
+                                                {CHECKED_TENANT: 1000000})
         tokens = work / "checked" / "tokens"
         tokens.write_text(f"{CHECKED_TENANT} {CHECKED_TOKEN}\n")
         started["gateway-checked"] = spawn(cores.pinned(cores.proxy, gateway.started(
@@ -218,7 +218,7 @@ def proxies(work: Path, triton_grpc: int, triton_http: int, cores: Cores,
     for name, change in (("gateway-no-sequences", without_sequence_retries),
                          ("gateway-no-retries", without_retries)):
         if name in paths:
-            path, plain_settings = _gateway_config(work / name, triton_grpc, triton_http)
+            path, plain_settings = gateway_config(work / name, [triton_grpc], [triton_http])
             path.write_text(yaml.safe_dump(change(yaml.safe_load(path.read_text()))))
             started[name] = spawn(cores.pinned(cores.proxy, gateway.started(
                 [*envoy_args, str(path)])), work / f"{name}.log",

@@ -24,6 +24,8 @@ from triton_pod.access import ADMIN_KEY_NAME
 # The example models (a ConfigMap for overlays/local) and the tests' own.
 EXAMPLE_MODELS = ROOT / "triton" / "models"
 TEST_MODELS = ROOT / "tests" / "models"
+# Stateful models (sequence batching): the sequence tests' and bench/sequences.py's.
+SEQUENCE_MODELS = ROOT / "tests" / "sequence_models"
 
 
 def merged_model_repository(sources: Iterable[Path]) -> Path:

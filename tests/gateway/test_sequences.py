@@ -36,7 +36,6 @@ from triton_pod.sequences import SEQUENCE_NOT_HELD
 pytestmark = pytest.mark.processes
 
 TESTS = Path(__file__).resolve().parents[1]
-SEQUENCE_MODELS = TESTS / "sequence_models"
 # A model without sequences beside them: its calls are balanced per call as before.
 PLAIN = "identity_fp32"
 
@@ -130,7 +129,7 @@ class TwoPods:
 @pytest.fixture(scope="module")
 def two_pods(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TwoPods]:
     work = tmp_path_factory.mktemp("sequences")
-    repository = triton.merged_model_repository([SEQUENCE_MODELS])
+    repository = triton.merged_model_repository([triton.SEQUENCE_MODELS])
     shutil.copytree(TESTS / "models" / PLAIN, repository / PLAIN)
     backends = triton.prepare_backends(work / "backends")
     pods = [Pod(i, repository, backends, work / f"triton-{i}.log") for i in range(2)]

@@ -31,12 +31,16 @@ from local_stack.harness import (
     serve_config_with,
 )
 from local_stack.polling import until
-from local_stack.triton import EXAMPLE_MODELS, TEST_MODELS, merged_model_repository
+from local_stack.triton import (
+    EXAMPLE_MODELS,
+    SEQUENCE_MODELS,
+    TEST_MODELS,
+    merged_model_repository,
+)
 from local_stack.triton_inputs import simple_inputs, tensor
 from tests.support.examples import SEQUENCE_EXAMPLES, sequence_example_passed
 from tests.support.load import DEADLINE_S, Outcome, load, scale_cycle
 
-SEQUENCE_MODELS = Path(__file__).resolve().parents[1] / "sequence_models"
 # Quick autoscaling for a test: Triton's metrics every half second, short delays, and a low
 # queue-time target that the slow model's queue crosses with a handful of callers.
 AUTOSCALING = {"metrics_interval_s": 0.5, "look_back_period_s": 2, "upscale_delay_s": 1,
