@@ -172,7 +172,10 @@ def run(concurrencies: list[int], seconds: float, repeats: int) -> list[Row]:
         def carries() -> object:
             if envoy.poll() is not None:
                 raise RuntimeError("Envoy exited: " + (work / "envoy.log").read_text()[-2000:])
-            healthy = _healthy(settings.gateway_admin_port)
+            try:
+                healthy = _healthy(settings.gateway_admin_port)
+            except OSError as error:  # its admin interface not up yet
+                return str(error)
             return (healthy == TRITONS and _ready(through) is True) or f"{healthy} healthy"
 
         until("the gateway to carry calls to both Tritons", carries, 60, every_s=0.5)
