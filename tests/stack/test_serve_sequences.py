@@ -19,10 +19,9 @@ import tritonclient.http as th
 from tritonclient.utils import InferenceServerException
 
 from local_stack.harness import RunningStack, processes_left_behind, running_stack, serve_config_with
-from local_stack.triton import EXAMPLE_MODELS, merged_model_repository
+from local_stack.triton import EXAMPLE_MODELS, SEQUENCE_MODELS, merged_model_repository
 from local_stack.triton_inputs import simple_inputs
 from tests.gateway.test_sequences import CALLS, SEQUENCES, _call
-from tests.stack.test_gateway import SEQUENCE_MODELS
 from tests.support.examples import SEQUENCE_EXAMPLES, sequence_example_passed
 
 
