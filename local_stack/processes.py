@@ -103,9 +103,9 @@ def regions() -> set[str]:
     return {region.name for region in SHARED_MEMORY.glob(f"{TRITON_REGION_PREFIX}*")}
 
 
-def orphaned_regions() -> list[str]:
-    """The Python backend's regions that no live process maps (every live Triton and stub
-    maps its own): what a container's end frees in a pod."""
+def mapped_regions() -> set[str]:
+    """The Python backend's regions that some live process maps now (one pass over every
+    process's maps: it takes a while on a machine running Ray)."""
     mapped: set[str] = set()
     marker = f"{SHARED_MEMORY}/{TRITON_REGION_PREFIX}"
     for maps in Path("/proc").glob("[0-9]*/maps"):
@@ -116,7 +116,23 @@ def orphaned_regions() -> list[str]:
         if marker in text:
             mapped.update(line.rsplit("/", 1)[1].split()[0] for line in text.splitlines()
                           if marker in line)
-    return sorted(regions() - mapped)
+    return mapped
+
+
+def orphaned_regions() -> list[str]:
+    """The Python backend's regions that no live process maps (every live Triton and stub
+    maps its own): what a container's end frees in a pod. Only regions that existed before
+    the pass over the processes' maps, and that neither it nor a second pass found mapped:
+    one created meanwhile belongs to a Triton starting in another pod (seen: freed in the
+    middle of a KubeRay upgrade, the new cluster's Python stubs failed "Unable to initialize
+    shared memory key ... No such file or directory" and its Triton never became ready)."""
+    candidates = regions()
+    if not candidates:
+        return []
+    left = candidates - mapped_regions()
+    if left:
+        left -= mapped_regions()
+    return sorted(left)
 
 
 def free_orphaned_regions() -> list[str]:
