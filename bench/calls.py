@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import statistics
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +48,26 @@ def cpu_s(sids: list[int]) -> float:
 
 
 Measured = tuple[int, list[float], int]  # calls done, their latencies, errors
+
+
+@dataclass(frozen=True)
+class Reduced:
+    """A cell's repeated runs as one row: the median run's calls/s; p50 and p99 over every call
+    of every run; errors and calls summed (calls at least 1, a divisor)."""
+    rps: float
+    p50_ms: float
+    p99_ms: float
+    errors: int
+    calls: int
+
+
+def reduced(runs: Sequence[tuple[float, list[float], int]]) -> Reduced:
+    """Runs as (calls/s, latencies in s, errors) each."""
+    latencies = sorted(x for run in runs for x in run[1]) or [float("nan")]
+    return Reduced(statistics.median(run[0] for run in runs),
+                   1000 * latencies[len(latencies) // 2],
+                   1000 * latencies[min(len(latencies) - 1, int(len(latencies) * .99))],
+                   sum(run[2] for run in runs), max(1, len(latencies)))
 
 
 async def timed(call: Callable[[], Awaitable[object]], concurrency: int,

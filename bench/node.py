@@ -25,7 +25,6 @@ import json
 import os
 import secrets
 import shutil
-import statistics
 import tempfile
 import time
 from collections.abc import Iterator
@@ -39,7 +38,7 @@ import tritonclient.grpc as tc
 import yaml
 from tritonclient.utils import InferenceServerException
 
-from bench.calls import RESULTS, SIZES, cpu_s, measure_grpc
+from bench.calls import RESULTS, SIZES, cpu_s, measure_grpc, reduced
 from gateway import local as gateway
 from gateway.routes import GRPC_LISTENER, named, retry_holders
 from local_stack import triton
@@ -330,14 +329,10 @@ def run(paths: list[str], cells: list[tuple[str, int]], seconds: float, repeats:
                     runs[path].append((rps, latencies, errors, proxy_s,
                                        cpu_s([process.pid]) - triton0))
             for path, samples in runs.items():
-                latencies = sorted(x for s in samples for x in s[1]) or [float("nan")]
-                calls = max(1, len(latencies))
-                found.append(Cell(
-                    path, size, concurrency, statistics.median(s[0] for s in samples),
-                    1000 * latencies[len(latencies) // 2],
-                    1000 * latencies[min(len(latencies) - 1, int(len(latencies) * .99))],
-                    sum(s[2] for s in samples), 1e6 * sum(s[3] for s in samples) / calls,
-                    1e6 * sum(s[4] for s in samples) / calls))
+                r = reduced([s[:3] for s in samples])
+                found.append(Cell(path, size, concurrency, r.rps, r.p50_ms, r.p99_ms, r.errors,
+                                  1e6 * sum(s[3] for s in samples) / r.calls,
+                                  1e6 * sum(s[4] for s in samples) / r.calls))
             print(_row_text([c for c in found if (c.size, c.concurrency) == (size, concurrency)]),
                   flush=True)
     return found

@@ -20,7 +20,6 @@ import itertools
 import json
 import secrets
 import shutil
-import statistics
 import tempfile
 import time
 import urllib.request
@@ -35,7 +34,7 @@ import tritonclient.grpc as tc
 import tritonclient.grpc.aio as tc_aio
 from tritonclient.utils import InferenceServerException
 
-from bench.calls import RESULTS, cpu_s
+from bench.calls import RESULTS, cpu_s, reduced
 from bench.node import gateway_config
 from gateway import local as gateway
 from local_stack import triton
@@ -134,13 +133,10 @@ def _retries(admin_port: int) -> int:
 
 def _row(kind: str, path: str, concurrency: int,
          samples: list[tuple[float, list[float], int, float, int]]) -> Row:
-    latencies = sorted(x for s in samples for x in s[1]) or [float("nan")]
-    calls = max(1, len(latencies))
-    return Row(kind, path, concurrency, statistics.median(s[0] for s in samples),
-               1000 * latencies[len(latencies) // 2],
-               1000 * latencies[min(len(latencies) - 1, int(len(latencies) * .99))],
-               sum(s[2] for s in samples), 1e6 * sum(s[3] for s in samples) / calls,
-               1 + sum(s[4] for s in samples) / calls)
+    r = reduced([s[:3] for s in samples])
+    return Row(kind, path, concurrency, r.rps, r.p50_ms, r.p99_ms, r.errors,
+               1e6 * sum(s[3] for s in samples) / r.calls,
+               1 + sum(s[4] for s in samples) / r.calls)
 
 
 def run(concurrencies: list[int], seconds: float, repeats: int) -> list[Row]:
@@ -173,7 +169,8 @@ def run(concurrencies: list[int], seconds: float, repeats: int) -> list[Row]:
             if envoy.poll() is not None:
                 raise RuntimeError("Envoy exited: " + (work / "envoy.log").read_text()[-2000:])
             try:
-                healthy = _healthy(settings.gateway_admin_port)
+                healthy = len(gateway.upstream_ports(settings.gateway_admin_port,
+                                                     healthy_only=True))
             except OSError as error:  # its admin interface not up yet
                 return str(error)
             return (healthy == TRITONS and _ready(through) is True) or f"{healthy} healthy"
@@ -196,12 +193,6 @@ def run(concurrencies: list[int], seconds: float, repeats: int) -> list[Row]:
             rows += found
             print(_row_text(found), flush=True)
     return rows
-
-
-def _healthy(admin_port: int) -> int:
-    with urllib.request.urlopen(f"http://127.0.0.1:{admin_port}/clusters", timeout=5) as answer:
-        return sum(1 for line in answer.read().decode().splitlines()
-                   if line.startswith("triton::") and line.endswith("::health_flags::healthy"))
 
 
 def _row_text(rows: list[Row]) -> str:
