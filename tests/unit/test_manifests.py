@@ -194,6 +194,18 @@ def test_mig_on_a_site_overlay_claims_one_slice_in_requests_and_limits() -> None
     assert triton["resources"]["limits"]["cpu"] == "1"  # the site's own size stays
 
 
+def test_a_site_with_an_ingress_switched_to_the_serve_path_passes_every_check() -> None:
+    # Seen refused (ingress-backends-resolve): the Ingress named the gateway Service's ports,
+    # grpc and http, which KubeRay's serveService calls serve-grpc and serve-http.
+    built = build(ROOT / "tests" / "fixtures" / "components" / "nautilus-serve-path")
+    problems, _ = checked(built)
+    assert problems == []
+    backends = [path["backend"]["service"] for o in objects(built) if o["kind"] == "Ingress"
+                for rule in o["spec"]["rules"] for path in rule["http"]["paths"]]
+    assert backends == [{"name": "triton-grpc", "port": {"number": 8001}},
+                        {"name": "triton-grpc", "port": {"number": 8000}}]
+
+
 def test_the_injected_autoscaler_container_is_checked_for_hardening() -> None:
     """KubeRay adds the autoscaler container from autoscalerOptions; the build has no such
     container, so the check reads autoscalerOptions.securityContext instead."""
@@ -497,7 +509,11 @@ def test_nautilus_ingress_keeps_long_channels_and_large_messages_and_serves_http
     assert all(notes[f"haproxy-ingress.github.io/timeout-{k}"] == "24h"
                for k in ("client", "server", "tunnel"))
     (path,) = http["spec"]["rules"][0]["http"]["paths"]
-    assert (path["path"], path["backend"]["service"]["port"]["name"]) == ("/v2", "http")
+    (service,) = [o for o in built if o["kind"] == "Service"
+                  and o["metadata"]["name"] == path["backend"]["service"]["name"]]
+    (port,) = [p for p in service["spec"]["ports"]
+               if p["port"] == path["backend"]["service"]["port"]["number"]]
+    assert (path["path"], port["name"]) == ("/v2", "http")
 
 
 def test_purdue_clients_keep_their_address() -> None:
