@@ -68,7 +68,16 @@ def invariant_violations(obj: dict[str, Any],
                          stream: list[dict[str, Any]] | None = None) -> Iterator[str]:
     facts = extract(obj, stream)
     validator = jsonschema.Draft202012Validator(INVARIANTS)
+    missing_facts = [name for name in INVARIANTS["required"] if name not in facts.values]
     for error in sorted(validator.iter_errors(facts.values), key=lambda e: list(e.absolute_path)):
+        if error.validator == "required" and not error.absolute_path:
+            # A fact no object of the build gave: say which rule reads it and what it is.
+            missing = missing_facts.pop(0)
+            rule = INVARIANTS["properties"].get(missing, {})
+            yield (f"{rule.get('title', missing)}: {_name(obj)} (the build): nothing in it gives "
+                   f"{rule.get('x-fact', missing)} (a renamed or missing object) - "
+                   f"{rule.get('description', '')}")
+            continue
         rule = _deepest(INVARIANTS, error.absolute_schema_path, "title")
         # A rule with several cases words each where it states it.
         worded = _deepest(INVARIANTS, error.absolute_schema_path, "x-message")

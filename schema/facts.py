@@ -593,6 +593,15 @@ def extract(rayservice: dict[str, Any], stream: list[dict[str, Any]] | None = No
                   f"{gateway.source} listeners' retry_policy.num_retries (a sequence's call) "
                   f"against {serve.app_path}.deployments[0].autoscaling_config.max_replicas "
                   f"({pods} GPU pods)")
+    if gateway is not None:
+        # KubeRay names a RayService's head Service after it (v1.7.0: <name>-head-svc), the
+        # same for every cluster it makes; a namePrefix or nameSuffix renames the RayService.
+        head_service = f"{(rayservice.get('metadata') or {}).get('name')}-head-svc"
+        facts.put("controlPlaneNotTheHeadService",
+                  [h for h in _cluster_hosts(_gateway(stream or [])[1], CONTROL_PLANE_CLUSTER)
+                   if h.split(".")[0] != head_service],
+                  f"{gateway.source} clusters[{CONTROL_PLANE_CLUSTER}] endpoint addresses "
+                  f"(KubeRay's head Service is {head_service!r})")
     dns_ttl = _int(annotations.get(DNS_TTL_ANNOTATION))
     facts.put("clusterDnsTtlS", dns_ttl, f"metadata.annotations[{DNS_TTL_ANNOTATION}]")
     if gateway is not None and isinstance(gateway.dns_refresh_s, float) and isinstance(

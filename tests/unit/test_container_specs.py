@@ -61,6 +61,7 @@ def test_hooks_and_probes_name_their_own_containers_ports() -> None:
         "startupProbe.tcpSocket.port 'grpc'", "lifecycle.preStop.httpGet.port 'admin'"]
 
 
+@pytest.mark.processes  # kubectl builds the site
 def test_a_gateway_service_naming_no_port_of_the_gateway_is_refused() -> None:
     built = [o for o in yaml.safe_load_all(build(ROOT / "overlays" / "nautilus")) if o]
     assert check_stream(yaml.safe_dump_all(built), DEFAULT_KUBERNETES_VERSION)[0] == []

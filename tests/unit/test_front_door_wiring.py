@@ -15,7 +15,12 @@ import yaml
 from schema.check import DEFAULT_KUBERNETES_VERSION, check_stream
 from tests.support.kustomize import ROOT, build
 
-BUILT = [o for o in yaml.safe_load_all(build(ROOT / "overlays" / "nautilus")) if o]
+# Each test builds the site with kubectl (tests/support/kustomize.py, built once a session).
+pytestmark = pytest.mark.processes
+
+
+def _built() -> list[dict[str, Any]]:
+    return [o for o in yaml.safe_load_all(build(ROOT / "overlays" / "nautilus")) if o]
 
 
 def _one(built: list[dict[str, Any]], kind: str) -> dict[str, Any]:
@@ -29,7 +34,7 @@ def _envoy(built: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _problems(change: Callable[[list[dict[str, Any]]], object]) -> list[str]:
-    built = copy.deepcopy(BUILT)
+    built = copy.deepcopy(_built())
     change(built)
     return check_stream(yaml.safe_dump_all(built), DEFAULT_KUBERNETES_VERSION)[0]
 
@@ -70,3 +75,12 @@ def test_an_ingress_default_backend_naming_no_service_is_refused() -> None:
     mine = [p for p in problems if p.startswith("ingress-backends-resolve: ")]
     assert len(mine) == 1 and "Ingress triton-http spec.defaultBackend" in mine[0] and \
         "Service 'triton', which the build does not have" in mine[0], problems
+
+
+def test_a_fact_no_object_gives_is_said_by_its_rule_not_as_the_whole_object() -> None:
+    problems = _problems(lambda built: built.remove(next(
+        o for o in built if o["kind"] == "Service" and o["metadata"]["name"] == "triton-grpc")))
+    mine = [p for p in problems if p.startswith("client-service-targets-the-data-path: ")]
+    assert len(mine) == 1 and "RayService cms-sonic/triton (the build): nothing in it gives " \
+        "targetPort minus" in mine[0], problems
+    assert not [p for p in problems if "(whole object)" in p], problems
