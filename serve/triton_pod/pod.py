@@ -165,7 +165,7 @@ class TritonPod(GrpcForwarding):
         return None if reply == b"\x08\x01" else f"{rpc} answered false"
 
     async def _triton_ready(self) -> str | None:
-        why = await self._triton_says("ServerReady", TRITON_CHECK_S)
+        why = await self._triton_says("ServerReady", TRITON_CHECK_S) or await self._http_ready()
         return None if why is None else f"Triton: {why}"
 
     async def _post(self, path: str, body: bytes, header_length: int | None,
@@ -269,13 +269,26 @@ class TritonPod(GrpcForwarding):
                 except (aiohttp.ClientError, TimeoutError, RuntimeError, ValueError) as error:
                     logger.warning("warm-up after Triton's restart: %s; trying again", error)
 
+    async def _http_ready(self) -> str | None:
+        """None when Triton's HTTP endpoint answers ready, else why not. Triton starts its gRPC
+        endpoint a moment before its HTTP one: ready over gRPC, it may still refuse HTTP (seen:
+        the warm-up's list of models refused 3 ms after ServerReady, so the pod joined with
+        every model cold)."""
+        try:
+            status, _ = await self._request("GET", "/v2/health/ready", None, {}, 2.0)
+        except (aiohttp.ClientError, TimeoutError) as error:
+            return f"HTTP: {error}"
+        return None if status == 200 else f"HTTP: /v2/health/ready answered {status}"
+
     async def _wait_for_triton(self) -> None:
+        """Until Triton answers ready on both its endpoints (gRPC ServerReady, HTTP
+        /v2/health/ready): the warm-up and the Serve path's HTTP calls use the latter."""
         address = self._args.triton_address
         deadline = time.monotonic() + self._args.ready_timeout_s
         next_log = 0.0
         last_error = ""
         while True:
-            why = await self._triton_says("ServerReady", 2.0)
+            why = await self._triton_says("ServerReady", 2.0) or await self._http_ready()
             if why is None:
                 logger.info("Triton at %s is ready", address)
                 return

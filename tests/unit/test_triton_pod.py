@@ -13,6 +13,7 @@ from typing import Any
 
 import grpc
 import pytest
+from aiohttp import web
 from ray.serve._private.grpc_util import gRPCGenericServer
 from ray.serve._private.proxy_request_response import gRPCStreamingType
 
@@ -28,13 +29,37 @@ READY = b"\x08\x01"
 
 async def started_forwarder(args: TritonPodArgs) -> TritonPod:
     """A forwarder constructed as Serve does it: the async constructor awaited; its pod's
-    readiness on a free port, and no warm-up (the stand-in Triton has no HTTP API)."""
-    (ready_port,) = free_ports(1)
+    readiness on a free port, its Triton's HTTP endpoint one that answers ready alone, and
+    no warm-up (the stand-in Triton has no other HTTP API)."""
+    ready_port, http_port = free_ports(2)
+    await _http_triton(http_port, {})
     args = args.model_copy(update={"ready_port": ready_port,
+                                   "triton_http_address": f"127.0.0.1:{http_port}",
                                    "warmup": WarmupArgs(enabled=False)})
     forwarder = TritonPod.__new__(TritonPod)
     await TritonPod.__init__(forwarder, args)
     return forwarder
+
+
+async def _http_triton(port: int, routes: dict[tuple[str, str], Any]) -> web.AppRunner:
+    """A stand-in for Triton's HTTP endpoint on `port`: /v2/health/ready, and `routes`
+    ({(method, path): JSON answer}); it runs until the test's event loop ends."""
+    app = web.Application()
+
+    async def ready(request: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    app.router.add_get("/v2/health/ready", ready)
+    for (method, path), answer in routes.items():
+        async def handler(request: web.Request, answer: Any = answer) -> web.Response:
+            await request.read()
+            return web.json_response(answer)
+
+        app.router.add_route(method, path, handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner
 
 
 class FakeContext:
@@ -315,3 +340,39 @@ def test_health_check_fails_once_triton_is_gone() -> None:
             await forwarder.check_health()
 
     asyncio.run(scenario())
+
+
+def test_the_warm_up_waits_for_tritons_http_endpoint_which_starts_after_its_grpc_one() -> None:
+    """Triton starts its gRPC endpoint a moment before its HTTP one. Seen in a CI rehearsal: the
+    replica found Triton ready over gRPC, asked its ready models over HTTP 3 ms later, was
+    refused the connection, and the pod joined with every model cold."""
+    config = {"name": "m", "max_batch_size": 0,
+              "input": [{"name": "x", "data_type": "TYPE_FP32", "dims": [1]}]}
+    routes = {("POST", "/v2/repository/index"): [{"name": "m", "state": "READY"}],
+              ("GET", "/v2/models/m/config"): config, ("POST", "/v2/models/m/infer"): {}}
+
+    async def scenario() -> dict[str | None, float]:
+        ready_port, http_port = free_ports(2)
+        http_started: list[asyncio.Task[web.AppRunner]] = []
+
+        async def ready(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            if not http_started:  # HTTP comes up a moment after gRPC answers ready
+                http_started.append(asyncio.get_running_loop().create_task(
+                    _after(0.3, _http_triton(http_port, routes))))
+            return READY
+
+        async with _running_fake_triton([], {"ServerReady": grpc.unary_unary_rpc_method_handler(
+                ready)}) as port:
+            forwarder = TritonPod.__new__(TritonPod)
+            await TritonPod.__init__(forwarder, TritonPodArgs(
+                triton_address=f"127.0.0.1:{port}", triton_http_address=f"127.0.0.1:{http_port}",
+                ready_port=ready_port, ready_timeout_s=30))
+            return dict(forwarder._gauges)
+
+    gauges = asyncio.run(scenario())
+    assert "m" in gauges, f"the pod joined without warming its model: {gauges}"
+
+
+async def _after(seconds: float, started: Any) -> Any:
+    await asyncio.sleep(seconds)
+    return await started
