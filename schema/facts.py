@@ -1073,13 +1073,13 @@ def unresolved_target_ports(service: dict[str, Any], templates: list[dict[str, A
 
 
 def _templates(stream: list[dict[str, Any]], rayservice: dict[str, Any]
-               ) -> list[tuple[dict[str, Any], bool]]:
-    """Every pod template of the build, and whether KubeRay's serveService lists its pods
-    (the worker groups')."""
+               ) -> list[tuple[dict[str, Any], bool, bool]]:
+    """Every pod template of the build: whether KubeRay's serveService lists its pods (the
+    worker groups'), and whether KubeRay makes its pods (then with labels of its own)."""
     cluster = (rayservice.get("spec") or {}).get("rayClusterConfig") or {}
-    found = [((cluster.get("headGroupSpec") or {}).get("template") or {}, False)] + [
-        (g.get("template") or {}, True) for g in cluster.get("workerGroupSpecs") or []]
-    return found + [(((o.get("spec") or {}).get("template") or {}), False) for o in stream
+    found = [((cluster.get("headGroupSpec") or {}).get("template") or {}, False, True)] + [
+        (g.get("template") or {}, True, True) for g in cluster.get("workerGroupSpecs") or []]
+    return found + [(((o.get("spec") or {}).get("template") or {}), False, False) for o in stream
                     if o.get("kind") in ("Deployment", "StatefulSet", "DaemonSet", "Job")]
 
 
@@ -1089,34 +1089,41 @@ def _port_facts(facts: Facts, rayservice: dict[str, Any], stream: list[dict[str,
     serve_service = (rayservice.get("spec") or {}).get("serveService")
     if serve_service:
         facts.append("namedPortsUnresolved", unresolved_target_ports(
-            serve_service, [t for t, serves in templates if serves]), "spec.serveService")
+            serve_service, [t for t, serves, _ in templates if serves]), "spec.serveService")
     for service in stream:
         selector = (service.get("spec") or {}).get("selector") or {}
         if service.get("kind") != "Service" or not selector:
             continue
-        selected = [t for t, _ in templates if selector.items() <= (
-            (t.get("metadata") or {}).get("labels") or {}).items()]
+        selected = [t for t, _, kuberay in templates if _selects(selector, t, kuberay)]
         if selected:  # pods of this build; a Service for pods elsewhere is not ours to judge
             facts.append("namedPortsUnresolved", unresolved_target_ports(service, selected),
                          f"{_name_of(service)} spec")
 
 
-def _selects(selector: dict[str, Any], template: dict[str, Any]) -> bool:
-    return selector.items() <= ((template.get("metadata") or {}).get("labels") or {}).items()
+# The labels KubeRay adds to the pods it makes (ray.io/cluster, ray.io/node-type, ...): a
+# selector may name them though no template carries them.
+KUBERAY_LABELS = "ray.io/"
+
+
+def _selects(selector: dict[str, Any], template: dict[str, Any], kuberay: bool = False) -> bool:
+    wanted = {k: v for k, v in selector.items()
+              if not (kuberay and str(k).startswith(KUBERAY_LABELS))}
+    return wanted.items() <= ((template.get("metadata") or {}).get("labels") or {}).items()
 
 
 def _service_facts(facts: Facts, rayservice: dict[str, Any],
                    stream: list[dict[str, Any]]) -> None:
     """services-select-pods and ingress-backends-resolve: the front door's wiring, as the API
     server accepts it but nothing would answer through it."""
-    templates = [t for t, _ in _templates(stream, rayservice)]
+    templates = _templates(stream, rayservice)
     services = {(o.get("metadata") or {}).get("name"): o for o in stream
                 if o.get("kind") == "Service"}
     for name, service in services.items():
         selector = (service.get("spec") or {}).get("selector") or {}
         if selector:
             facts.append("servicesSelectingNothing",
-                         [] if any(_selects(selector, t) for t in templates) else [selector],
+                         [] if any(_selects(selector, t, kuberay) for t, _, kuberay in templates)
+                         else [selector],
                          f"Service {name} spec.selector")
     # KubeRay makes the RayService's serveService (the clients' Service on the Serve path).
     serve_service = (rayservice.get("spec") or {}).get("serveService") or {}

@@ -84,3 +84,19 @@ def test_a_fact_no_object_gives_is_said_by_its_rule_not_as_the_whole_object() ->
     assert len(mine) == 1 and "RayService cms-sonic/triton (the build): nothing in it gives " \
         "targetPort minus" in mine[0], problems
     assert not [p for p in problems if "(whole object)" in p], problems
+
+
+def test_a_service_selecting_the_labels_kuberay_adds_selects_the_ray_pods() -> None:
+    """A site's Service for the Ray dashboard selects the head by KubeRay's labels, which no
+    template carries; a misspelt selector beside it is still refused."""
+    def change(built: list[dict[str, Any]]) -> None:
+        for name, selector in (("ray-dashboard", {"ray.io/node-type": "head",
+                                                  "app.kubernetes.io/name": "sonic-ray"}),
+                               ("misspelt", {"app.kubernetes.io/name": "sonic-rey"})):
+            built.append({"apiVersion": "v1", "kind": "Service",
+                          "metadata": {"name": name, "namespace": "cms-sonic"},
+                          "spec": {"selector": selector,
+                                   "ports": [{"port": 8265, "targetPort": 8265}]}})
+
+    mine = [p for p in _problems(change) if p.startswith("services-select-pods: ")]
+    assert len(mine) == 1 and "Service misspelt spec.selector" in mine[0], mine
