@@ -273,9 +273,12 @@ class TritonPod(GrpcForwarding):
         """None when Triton's HTTP endpoint answers ready, else why not. Triton starts its gRPC
         endpoint a moment before its HTTP one: ready over gRPC, it may still refuse HTTP (seen:
         the warm-up's list of models refused 3 ms after ServerReady, so the pod joined with
-        every model cold)."""
+        every model cold). Asked on a connection of its own, closed after the answer: Triton's
+        shutdown waits for every open HTTP connection (seen: a kept-alive one of this check held
+        a draining Triton until its --exit-timeout-secs, which it then left with status 1)."""
         try:
-            status, _ = await self._request("GET", "/v2/health/ready", None, {}, 2.0)
+            status, _ = await self._request("GET", "/v2/health/ready", None,
+                                            {"Connection": "close"}, 2.0)
         except (aiohttp.ClientError, TimeoutError) as error:
             return f"HTTP: {error}"
         return None if status == 200 else f"HTTP: /v2/health/ready answered {status}"

@@ -35,6 +35,7 @@ module, _, attr = app["import_path"].partition(":")
 getattr(importlib.import_module(module), attr)(app["args"])
 
 import asyncio, grpc
+from aiohttp import web
 from triton_pod.pod import TritonPodArgs, TritonPod
 from triton_pod.rpcs import BY_NAME, SERVICE
 
@@ -54,9 +55,19 @@ async def one_call():
         "ModelInfer": grpc.unary_unary_rpc_method_handler(infer)}),))
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
+    # Triton's HTTP endpoint: ready, and no model to warm.
+    http = web.Application()
+    http.router.add_get("/v2/health/ready", lambda request: web.Response())
+    http.router.add_post("/v2/repository/index", lambda request: web.json_response([]))
+    runner = web.AppRunner(http)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    http_port = site._server.sockets[0].getsockname()[1]
     forwarder = TritonPod.__new__(TritonPod)
     await TritonPod.__init__(forwarder, TritonPodArgs.model_validate(
-        {**app["args"], "triton_address": f"127.0.0.1:{port}"}))
+        {**app["args"], "triton_address": f"127.0.0.1:{port}",
+         "triton_http_address": f"127.0.0.1:{http_port}", "ready_timeout_s": 30}))
     context = Context()
     reply = await forwarder.forward_unary(BY_NAME["ModelInfer"], b"call", context)
     await server.stop(None)
