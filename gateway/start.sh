@@ -12,6 +12,8 @@
 #   certificates (components/mtls), which name every caller, so the checks run on every call;
 #   any other value stops the start.
 # * LUA_PATH: both Lua filters require gateway/gate.lua, which lies beside this file.
+# * The access log written out every second (Envoy's default is every 10 s): a call's line is
+#   in `kubectl logs` a second after it ended, not ten.
 set -eu
 here=$(dirname "$0")
 unchecked=100
@@ -39,5 +41,5 @@ else
     "(components/mtls runs them on every call)" >&2
 fi
 echo "[gateway] client listeners ${transport:-speak TLS only (SONIC_RAY_TLS=${SONIC_RAY_TLS:-})}" >&2
-exec "${ENVOY:-envoy}" "$@" --config-yaml \
+exec "${ENVOY:-envoy}" "$@" --file-flush-interval-msec 1000 --config-yaml \
   "{layered_runtime: {layers: [{name: site, static_layer: {sonic_ray.calls_unchecked: $unchecked, sonic_ray.tls_server: $tls_server, sonic_ray.tls_mutual: $tls_mutual}}]}}"

@@ -5,7 +5,8 @@ client's first calls then get the gateway's answers at once (a job start the sta
 gate's CANCELLED, inference UNAVAILABLE / 503 saying a GPU pod is starting and when to retry),
 a GPU pod starts, and calls succeed once its Triton is ready: none hangs, none reaches a
 Triton that is not ready. Then an operator's pre-warm request (make prewarm) brings a second
-GPU pod with no call made, and Serve lets go of it once the request's time has passed. Last of
+GPU pod with no call made, and Serve lets go of it once the time of a request replacing it
+has passed. Last of
 this folder (file order): it leaves the cluster as it is."""
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ AT_ONCE_S = 1.0
 # How long the pre-warm request holds: Serve's upscale_delay_s (10 s) and a GPU pod's start
 # here with room to spare; an operator asks for hours.
 PREWARM_S = 60
+# The request that replaces it once both pods are up, ending the campaign sooner.
+SOONER_S = 8
 HEAD = re.compile(r"(ray-head(?:-\d+)?): Ray head of cluster (\S+) at \S+ \(dashboard (\S+)\)")
 SELECTED = re.compile(r"\[cluster\] upgrade: KubeRay's Services select (\S+);")
 
@@ -142,6 +145,22 @@ def test_idle_to_zero_gpu_pods_then_the_first_calls_start_one(cluster: Cluster,
     def target() -> int:
         return int(deployment_of(application(dashboard, token)).get("target_num_replicas", -1))
 
-    until("Serve to want fewer than two once the request's time passed",
-          lambda: (datetime.now(UTC) > ends and target() < 2) or f"target {target()}",
-          PREWARM_S + 60, every_s=1)
+    # The operator ends the campaign sooner: a new request replaces the first whole, and Serve
+    # lets go once its time has passed, not before.
+    assert target() == 2
+    ends = datetime.now(UTC) + timedelta(seconds=SOONER_S)
+    done = subprocess.run(["make", "-s", "prewarm", "PODS=2", f"UNTIL={ends.isoformat()}",
+                           f"DIR={prewarm_dir}", f"SERVE_CONFIG={config}"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    early: list[int] = []
+
+    def let_go() -> object:
+        wanted, now = target(), datetime.now(UTC)
+        if now < ends - timedelta(seconds=1) and wanted < 2:
+            early.append(wanted)
+        return (now > ends and wanted < 2) or f"target {wanted}"
+
+    until("Serve to want fewer than two once the request's time passed", let_go,
+          SOONER_S + 60, every_s=1)
+    assert early == [], f"Serve wanted {early} before the request's time passed"

@@ -26,6 +26,7 @@ from tritonclient.grpc import service_pb2
 from tritonclient.utils import InferenceServerException
 
 from local_stack.polling import until
+from local_stack.triton_inputs import simple_inputs
 from tests.stack.conftest import MESSAGE_LIMIT, Stack
 from tests.support.load import Outcome, load
 
@@ -137,6 +138,11 @@ def _replica_pids() -> list[int]:
     return pids
 
 
+# The load's longest run, and how long it goes on once a call passed again after the kill.
+LOAD_MAX_S = 40
+AFTER_RECOVERY_S = 3
+
+
 @pytest.mark.disruptive
 def test_serve_replica_killed_under_load(stack: Stack) -> None:
     """Every call ends within its deadline with an answer or a status; then Serve recovers."""
@@ -144,11 +150,28 @@ def test_serve_replica_killed_under_load(stack: Stack) -> None:
         pytest.skip("on the gateway path no call passes a replica (test_gateway.py kills a "
                     "Triton and removes a pod instead)")
     async def kill_then_load() -> list[Outcome]:
-        task = asyncio.ensure_future(load(stack.url, 40, 8))
+        stop = asyncio.Event()
+        task = asyncio.ensure_future(load(stack.url, LOAD_MAX_S, 8, stop=stop))
         await asyncio.sleep(3)
         (pid,) = _replica_pids()
         os.kill(pid, signal.SIGKILL)
+        # The load goes on until a call passes again (Serve's new replica), then a while more.
+        await asyncio.to_thread(until, "a call to pass after the kill", _one_call_passes,
+                                LOAD_MAX_S, 0.5)
+        await asyncio.sleep(AFTER_RECOVERY_S)
+        stop.set()
         return await task
+
+    def _one_call_passes() -> object:
+        client = tc.InferenceServerClient(stack.url)
+        try:
+            ones = np.ones((1, 16), dtype=np.int32)
+            client.infer("simple", simple_inputs(ones, ones), client_timeout=5)
+            return True
+        except InferenceServerException as error:
+            return f"{error.status()}: {error.message()}"
+        finally:
+            client.close()
 
     outcomes = [(status, seconds) for _, status, seconds in asyncio.run(kill_then_load())]
     statuses = [status for status, _ in outcomes]

@@ -5,9 +5,9 @@ and the control plane answer; its simulated pods start and stop as Serve wants r
 inference calls answered at once, none held and none reaching a Triton that is not ready, job
 starts held up to the site's SONIC_RAY_HOLD_S (then the gate's answer, or Triton's once one is
 ready), 0 -> 2 pods, then idle back to 0 Tritons and 0 `triton` resources in Ray. Then an
-operator's pre-warm request starts 2 pods with no call made, on the dashboard's gauge, and
-lets them go after its time. (Job starts answered at once, the default: test_admission.py and
-tests/cluster/test_zero.py.)"""
+operator's pre-warm request starts 2 pods with no call made, on the dashboard's gauge, and a
+request replacing it lets them go after its (sooner) time. (Job starts answered at once, the
+default: test_admission.py and tests/cluster/test_zero.py.)"""
 
 from __future__ import annotations
 
@@ -62,6 +62,8 @@ LOAD_MAX_S = 150
 # How long the pre-warm request holds: two pods' start here with room to spare (an operator
 # asks for hours).
 PREWARM_S = 75
+# The request that replaces it once both pods are up, ending the campaign sooner.
+SOONER_S = 8
 
 
 @pytest.fixture(scope="module")
@@ -287,6 +289,7 @@ def test_a_prewarm_request_starts_its_pods_then_lets_them_go(at_zero: RunningSta
     until("zero pods", lambda: _at_zero(at_zero, timeline, started), 180, every_s=1)
     ends = datetime.now(UTC) + timedelta(seconds=PREWARM_S)
     env = at_zero.process.env
+    mark = len(at_zero.process.lines)
     # The operator's command, on the stack's pre-warm directory and its Serve config's bounds.
     done = subprocess.run(["make", "-s", "prewarm", "PODS=2", f"UNTIL={ends.isoformat()}",
                            f"DIR={env['PREWARM_DIR']}", f"SERVE_CONFIG={env['SERVE_CONFIG']}"],
@@ -298,7 +301,19 @@ def test_a_prewarm_request_starts_its_pods_then_lets_them_go(at_zero: RunningSta
               at_zero)) == (2, 2.0) or f"pods {_listed(at_zero)}, gauge "
           f"{_prewarm_gauge(at_zero)}", PREWARM_S, every_s=1)
     assert datetime.now(UTC) < ends, "the second pod came only after the request's time"
+    # The operator ends the campaign sooner: a new request replaces the first whole, and the
+    # pods are let go once its time has passed.
+    ends = datetime.now(UTC) + timedelta(seconds=SOONER_S)
+    replaced = len(at_zero.process.lines)
+    done = subprocess.run(["make", "-s", "prewarm", "PODS=2", f"UNTIL={ends.isoformat()}",
+                           f"DIR={env['PREWARM_DIR']}", f"SERVE_CONFIG={env['SERVE_CONFIG']}"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
     until("back to zero pods once the request's time passed, the floor at 0",
           lambda: datetime.now(UTC) > ends and _prewarm_gauge(at_zero) == 0.0
-          and _at_zero(at_zero, timeline, started) is True, PREWARM_S + 180, every_s=1)
-    assert "pod 1 removed" in "\n".join(at_zero.process.lines)
+          and _at_zero(at_zero, timeline, started) is True, SOONER_S + 180, every_s=1)
+    # Decided (said before the pod stops, so none of the first test's comes after `mark`).
+    removed = [i for i, line in enumerate(at_zero.process.lines)
+               if i >= mark and re.search(r"autoscaler: pod \d+ held no replica", line)]
+    assert len(removed) == 2 and removed[0] > replaced, \
+        f"pre-warmed pods let go at lines {removed}, the request replaced at line {replaced}"

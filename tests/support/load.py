@@ -29,17 +29,16 @@ def _slow(seconds: float) -> list[tc.InferInput]:
     return [tensor("SECONDS", np.array([seconds], dtype=np.float32), "FP32")]
 
 
-
-
 async def load(url: str, seconds: float, callers: int, model: str = "simple",
-                slow_s: float = 0.3) -> list[Outcome]:
-    """Callers on one channel, each calling in a loop until `seconds` have passed."""
+                slow_s: float = 0.3, stop: asyncio.Event | None = None) -> list[Outcome]:
+    """Callers on one channel, each calling in a loop until `seconds` have passed or `stop`
+    is set."""
     outcomes: list[Outcome] = []
     client = tc_aio.InferenceServerClient(url)
     end = time.monotonic() + seconds
 
     async def caller() -> None:
-        while time.monotonic() < end:
+        while time.monotonic() < end and not (stop and stop.is_set()):
             started = time.monotonic()
             inputs = _slow(slow_s) if model == "slow" else _simple()
             try:
@@ -62,22 +61,36 @@ def _running(running: RunningStack) -> int:
     return [r["state"] for r in replicas(dashboard, running.ray_token)].count("RUNNING")
 
 
-def scale_cycle(running: RunningStack, load_s: float = 25, watch_s: float = 60,
-                callers: int = 12) -> tuple[list[tuple[float, int]], list[Outcome]]:
-    """Waits for one running replica, loads the slow model with `callers` for `load_s`, and
-    records the running replicas every second for `watch_s`."""
+def scale_cycle(running: RunningStack, load_max_s: float = 60, after_up_s: float = 5,
+                watch_s: float = 60, callers: int = 12
+                ) -> tuple[list[tuple[float, int]], list[Outcome]]:
+    """Waits for one running replica, loads the slow model with `callers` until a second
+    replica has run for `after_up_s` (at most `load_max_s`), and records the running replicas
+    every second until they are one again (at most `watch_s` after the load)."""
     until("one running replica", lambda: (count := _running(running)) == 1
           or f"{count} running", 120, every_s=0.5)
     timeline: list[tuple[float, int]] = []
 
     async def cycle() -> list[Outcome]:
         start = time.monotonic()
-        task = asyncio.ensure_future(load(running.url("GRPC_PORT"), load_s, callers, "slow", 0.3))
-        while time.monotonic() < start + watch_s:
+        stop = asyncio.Event()
+        task = asyncio.ensure_future(load(running.url("GRPC_PORT"), load_max_s, callers,
+                                          "slow", 0.3, stop))
+        up_at: float | None = None
+        while True:
             count = await asyncio.to_thread(_running, running)
-            timeline.append((round(time.monotonic() - start, 1), count))
+            now = time.monotonic()
+            timeline.append((round(now - start, 1), count))
+            if up_at is None and count > 1:
+                up_at = now
+            if up_at is not None and now - up_at >= after_up_s:
+                stop.set()
+            # Done once back to one after the rise; at once if none came (the caller's
+            # assertion says so), and at most `watch_s` after the load.
+            if task.done() and (up_at is None or count == 1
+                                or now - start > load_max_s + watch_s):
+                return task.result()
             await asyncio.sleep(1)
-        return await task
 
     outcomes = asyncio.run(cycle())
     failed = [s for _, s, _ in outcomes if s != "OK"]
