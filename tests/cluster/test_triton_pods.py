@@ -316,8 +316,7 @@ def test_a_vanished_pod_ends_its_calls_within_the_keepalive_time(cluster: Cluste
         out_at.append(time.monotonic())
         # The calls it held end by the keepalive (10 s + 5 s), well before their deadline.
         until(f"the calls the gateways had under way on {pod} to end",
-              lambda: cluster.calls_under_way(ip) == 0 or cluster.calls_under_way(ip), 25,
-              every_s=0.5)
+              lambda: (held := cluster.calls_under_way(ip)) == 0 or held, 25, every_s=0.5)
 
     calls = under_load(cluster, vanish, grpc_clients=6, http_clients=0, stream_clients=0,
                        model="slow", slow_s=3.0)

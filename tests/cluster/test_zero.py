@@ -6,8 +6,7 @@ gate's CANCELLED, inference UNAVAILABLE / 503 saying a GPU pod is starting and w
 a GPU pod starts, and calls succeed once its Triton is ready: none hangs, none reaches a
 Triton that is not ready. Then an operator's pre-warm request (make prewarm) brings a second
 GPU pod with no call made, and Serve lets go of it once the time of a request replacing it
-has passed. Last of
-this folder (file order): it leaves the cluster as it is."""
+has passed. Last of this folder (file order): it leaves the cluster as it is."""
 
 from __future__ import annotations
 
@@ -28,6 +27,7 @@ from local_stack.polling import until
 from local_stack.ray_cluster import application, deployment_of, triton_resources
 from local_stack.triton_inputs import simple_inputs
 from tests.support.cluster import Cluster
+from tests.support.prewarm import request_prewarm
 
 # The gateway's answers while no Triton is ready (gateway/client-checks.lua).
 NO_TRITON = "no Triton is ready behind this endpoint"
@@ -133,10 +133,7 @@ def test_idle_to_zero_gpu_pods_then_the_first_calls_start_one(cluster: Cluster,
     # Pre-warming: a second GPU pod ready with no call made, and let go after the time.
     prewarm_dir = cluster.wait_for(r"pre-warm: make prewarm .* DIR=(\S+)$", 1).group(1)
     ends = datetime.now(UTC) + timedelta(seconds=PREWARM_S)
-    done = subprocess.run(["make", "-s", "prewarm", "PODS=2", f"UNTIL={ends.isoformat()}",
-                           f"DIR={prewarm_dir}", f"SERVE_CONFIG={config}"],
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
+    request_prewarm(2, ends, prewarm_dir, config)
     until("two GPU pods ready before the request's time passes",
           lambda: datetime.now(UTC) >= ends or len(cluster.ready_pods("triton")) == 2 or
           cluster.ready_pods("triton"), PREWARM_S, every_s=1)
@@ -149,10 +146,7 @@ def test_idle_to_zero_gpu_pods_then_the_first_calls_start_one(cluster: Cluster,
     # lets go once its time has passed, not before.
     assert target() == 2
     ends = datetime.now(UTC) + timedelta(seconds=SOONER_S)
-    done = subprocess.run(["make", "-s", "prewarm", "PODS=2", f"UNTIL={ends.isoformat()}",
-                           f"DIR={prewarm_dir}", f"SERVE_CONFIG={config}"],
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
+    request_prewarm(2, ends, prewarm_dir, config)
     early: list[int] = []
 
     def let_go() -> object:

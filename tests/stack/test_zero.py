@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import subprocess
 import time
 import urllib.error
 import urllib.parse
@@ -41,6 +40,7 @@ from local_stack.polling import until
 from local_stack.ray_cluster import application, deployment_of, triton_resources
 from local_stack.triton_inputs import tensor
 from tests.stack.test_gateway import AUTOSCALING
+from tests.support.prewarm import request_prewarm
 
 # The gateway's words while no Triton is ready (gateway/client-checks.lua).
 NO_TRITON = "no Triton is ready behind this endpoint"
@@ -291,10 +291,7 @@ def test_a_prewarm_request_starts_its_pods_then_lets_them_go(at_zero: RunningSta
     env = at_zero.process.env
     mark = len(at_zero.process.lines)
     # The operator's command, on the stack's pre-warm directory and its Serve config's bounds.
-    done = subprocess.run(["make", "-s", "prewarm", "PODS=2", f"UNTIL={ends.isoformat()}",
-                           f"DIR={env['PREWARM_DIR']}", f"SERVE_CONFIG={env['SERVE_CONFIG']}"],
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
+    request_prewarm(2, ends, env["PREWARM_DIR"], env["SERVE_CONFIG"])
     # No call is made: the request alone starts two pods, before its time passes.
     until("two pods in the gateway's rotation, the dashboard's pre-warm floor at 2",
           lambda: datetime.now(UTC) >= ends or (len(_listed(at_zero)), _prewarm_gauge(
@@ -305,10 +302,7 @@ def test_a_prewarm_request_starts_its_pods_then_lets_them_go(at_zero: RunningSta
     # pods are let go once its time has passed.
     ends = datetime.now(UTC) + timedelta(seconds=SOONER_S)
     replaced = len(at_zero.process.lines)
-    done = subprocess.run(["make", "-s", "prewarm", "PODS=2", f"UNTIL={ends.isoformat()}",
-                           f"DIR={env['PREWARM_DIR']}", f"SERVE_CONFIG={env['SERVE_CONFIG']}"],
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
+    request_prewarm(2, ends, env["PREWARM_DIR"], env["SERVE_CONFIG"])
     until("back to zero pods once the request's time passed, the floor at 0",
           lambda: datetime.now(UTC) > ends and _prewarm_gauge(at_zero) == 0.0
           and _at_zero(at_zero, timeline, started) is True, SOONER_S + 180, every_s=1)
