@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import re
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -203,10 +204,11 @@ def gate_is(url: str, status: str) -> bool | GateAnswer:
 
 async def open_loop(stub: service_pb2_grpc.GRPCInferenceServiceStub, rate: float,
                     seconds: float, start: float, in_flight: int | None = None,
-                    ) -> tuple[list[Outcome], int]:
+                    stop: threading.Event | None = None) -> tuple[list[Outcome], int]:
     """Calls at `rate` from `start` for `seconds`, each at its time whatever came back (open
     loop): how they ended. With `in_flight`, a call due while that many are under way is
-    refused by the caller instead (as a gateway's bound would), and counted."""
+    refused by the caller instead (as a gateway's bound would), and counted. With `stop`, no
+    call starts once it is set (call i is still the one due at start + i / rate)."""
     calls: list[asyncio.Task[Outcome]] = []
     refused_here = under_way = 0
 
@@ -218,6 +220,8 @@ async def open_loop(stub: service_pb2_grpc.GRPCInferenceServiceStub, rate: float
         delay = start + i / rate - time.monotonic()
         if delay > 0:
             await asyncio.sleep(delay)
+        if stop is not None and stop.is_set():
+            break
         if in_flight is not None and under_way >= in_flight:
             refused_here += 1
             continue

@@ -15,12 +15,14 @@ import json
 import os
 import re
 import signal
+import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -45,7 +47,7 @@ from local_stack.overload import (
     saturable_stack,
 )
 from local_stack.polling import until
-from tests.support.callers import lines_since
+from tests.support.callers import a_line_since, lines_since
 from tests.support.sockets import listening_pid
 
 STALE_S = 3
@@ -70,6 +72,16 @@ INFER_PATH = "/inference.GRPCInferenceService/ModelInfer"
 REFUSED_STATUS = {"ResourceExhausted", "8"}
 
 
+def _access_log(stack: RunningStack) -> Path:
+    return Path(stack.process.wait_for_line(r"access log \(a JSON line per call\): (\S+)",
+                                            1).group(1))
+
+
+def _refused_infer(line: dict[str, Any]) -> bool:
+    """An access-log line of an inference the gateway answered RESOURCE_EXHAUSTED."""
+    return bool(line["path"] == INFER_PATH and line["grpc_status"] in REFUSED_STATUS)
+
+
 @pytest.fixture(scope="module")
 def saturable() -> Iterator[RunningStack]:
     # The shipped stale rule (open), stale sooner than the shipped 10 s.
@@ -91,11 +103,9 @@ def test_twice_the_capacity_is_refused_at_once_and_closes_the_gate(saturable: Ru
     assert max(o.took_s for o in refused) < REFUSED_MAX_S
     # Every refusal as the gateway answered it (its access log): the client's own time adds
     # this loaded 2-core machine's pauses.
-    log = Path(saturable.process.wait_for_line(r"access log \(a JSON line per call\): (\S+)",
-                                               1).group(1))
-    lines = lines_since(log, since, len(run.unloaded_s) + len(run.outcomes) + len(run.gate))
-    at_gateway = [line["duration_ms"] / 1000 for line in lines
-                  if line["path"] == INFER_PATH and line["grpc_status"] in REFUSED_STATUS]
+    lines = lines_since(_access_log(saturable), since,
+                        len(run.unloaded_s) + len(run.outcomes) + len(run.gate))
+    at_gateway = [line["duration_ms"] / 1000 for line in lines if _refused_infer(line)]
     print(f"refused at the gateway: {len(at_gateway)}, p99 {p99(at_gateway) * 1000:.1f} ms, "
           f"slowest {max(at_gateway, default=0) * 1000:.1f} ms")
     assert len(at_gateway) == len(refused), {line["grpc_status"] for line in lines}
@@ -240,18 +250,19 @@ def _http_answers(url: str) -> dict[str, tuple[int, str | None, str]]:
     return answers
 
 
-# Load long enough for the gate to close, its word to go stale and calls still to be refused
-# after it opened.
+# At most this long: for the gate to close, its word to go stale and calls still to be refused
+# after it opened; the load stops once the gateway has refused a call a second after that.
 STALE_LOAD_S = 20
 
 
-def _load(url: str, seconds: float, start: float) -> list[Outcome]:
+def _load(url: str, seconds: float, start: float, stop: threading.Event) -> list[Outcome]:
     """Arrivals at twice the capacity from `start`: call i starts at start + i / rate."""
 
     async def run() -> list[Outcome]:
         async with grpc.aio.insecure_channel(url) as channel:
             stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
-            outcomes, _ = await open_loop(stub, 2 * CAPACITY_PER_S, seconds, start)
+            outcomes, _ = await open_loop(stub, 2 * CAPACITY_PER_S, seconds, start,
+                                          stop=stop)
             return outcomes
 
     return asyncio.run(run())
@@ -266,8 +277,9 @@ def test_a_stale_word_turns_no_job_away_by_the_shipped_rule(saturable: RunningSt
     _from_an_open_gate(url)
     controller = listening_pid(int(saturable.ports["ADMISSION_PORT"]))
     start = time.monotonic() + 0.5
+    stop = threading.Event()
     with ThreadPoolExecutor(1) as pool:
-        load = pool.submit(_load, url, STALE_LOAD_S, start)
+        load = pool.submit(_load, url, STALE_LOAD_S, start, stop)
 
         def closed_for_saturation() -> object:
             answer = gate_answer(url, timeout_s=POLL_DEADLINE_S)
@@ -279,9 +291,13 @@ def test_a_stale_word_turns_no_job_away_by_the_shipped_rule(saturable: RunningSt
         try:
             until("the gate to open with the control plane stopped",
                   lambda: gate_is(url, "OK"), STALE_S + 10)
-            opened = time.monotonic()
+            opened, opened_wall = time.monotonic(), time.time()
         finally:
             os.kill(controller, signal.SIGCONT)
+        # A second's calls due after the gate opened have been sent once the gateway refuses
+        # one that reached it a second later.
+        a_line_since(_access_log(saturable), opened_wall + 1, _refused_infer, STALE_LOAD_S)
+        stop.set()
         outcomes = load.result()
     # Never before the word it had went stale (os.time()'s whole seconds aside).
     assert opened - stopped >= STALE_S - 1, opened - stopped

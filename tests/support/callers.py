@@ -9,6 +9,7 @@ import datetime
 import json
 import re
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,22 @@ def access_log_lines(path: Path) -> list[dict[str, Any]]:
 
 def _started(line: dict[str, Any]) -> float:
     return datetime.datetime.fromisoformat(line["time"].replace("Z", "+00:00")).timestamp()
+
+
+def a_line_since(path: Path, since: float, wanted: Callable[[dict[str, Any]], bool],
+                 timeout_s: float) -> dict[str, Any]:
+    """The first access-log line `wanted` of a call started at or after `since` (time.time()),
+    once Envoy has written one out."""
+    since = int(since * 1000) / 1000  # the log's times are whole milliseconds
+
+    seen: list[dict[str, Any]] = []
+
+    def found() -> bool | str:
+        seen[:] = [line for line in access_log_lines(path)
+                   if _started(line) >= since and wanted(line)][:1]
+        return bool(seen) or "none yet"
+    until(f"such an access-log line in {path}", found, timeout_s)
+    return seen[0]
 
 
 def lines_since(path: Path, since: float, count: int) -> list[dict[str, Any]]:
