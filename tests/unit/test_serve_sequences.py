@@ -3,7 +3,7 @@ Triton refuses as a call of a sequence it does not hold is asked of the other re
 once, through Serve's router, and the holder's answer reaches the client; the refusal stands
 when no Triton holds it. Here Serve's router and replica context are stand-ins and each pod's
 Triton an in-process gRPC server (the thing tested is the forwarder's code); through real Serve
-and real Tritons: tests/stack/test_serve_sequences.py."""
+and real Tritons: tests/stack/test_serve_two_pods.py."""
 
 from __future__ import annotations
 
