@@ -74,7 +74,7 @@ def a_line_since(path: Path, since: float, wanted: Callable[[dict[str, Any]], bo
 
 def lines_since(path: Path, since: float, count: int) -> list[dict[str, Any]]:
     """The access log's lines of calls started at or after `since` (time.time()), once there
-    are `count` of them: Envoy writes its log out every few seconds."""
+    are `count` of them: Envoy writes its log out every second (gateway/start.sh)."""
     since = int(since * 1000) / 1000  # the log's times are whole milliseconds
 
     def found() -> list[dict[str, Any]]:
