@@ -56,34 +56,32 @@ def _started(line: dict[str, Any]) -> float:
     return datetime.datetime.fromisoformat(line["time"].replace("Z", "+00:00")).timestamp()
 
 
+def _written_since(path: Path, since: float) -> list[dict[str, Any]]:
+    """The access log's lines, as written out so far, of calls started at or after `since`
+    (time.time(); the log's times are whole milliseconds)."""
+    since = int(since * 1000) / 1000
+    return [line for line in access_log_lines(path) if _started(line) >= since]
+
+
 def a_line_since(path: Path, since: float, wanted: Callable[[dict[str, Any]], bool],
-                 timeout_s: float) -> dict[str, Any]:
-    """The first access-log line `wanted` of a call started at or after `since` (time.time()),
-    once Envoy has written one out."""
-    since = int(since * 1000) / 1000  # the log's times are whole milliseconds
-
-    seen: list[dict[str, Any]] = []
-
-    def found() -> bool | str:
-        seen[:] = [line for line in access_log_lines(path)
-                   if _started(line) >= since and wanted(line)][:1]
-        return bool(seen) or "none yet"
-    until(f"such an access-log line in {path}", found, timeout_s)
-    return seen[0]
+                 timeout_s: float) -> None:
+    """Returns once the access log has a line `wanted` of a call started at or after `since`
+    (time.time())."""
+    until(f"such an access-log line in {path}",
+          lambda: any(wanted(line) for line in _written_since(path, since)) or "none yet",
+          timeout_s)
 
 
 def lines_since(path: Path, since: float, count: int) -> list[dict[str, Any]]:
     """The access log's lines of calls started at or after `since` (time.time()), once there
     are `count` of them: Envoy writes its log out every second (gateway/start.sh)."""
-    since = int(since * 1000) / 1000  # the log's times are whole milliseconds
-
-    def found() -> list[dict[str, Any]]:
-        return [line for line in access_log_lines(path) if _started(line) >= since]
+    found: list[dict[str, Any]] = []
 
     def enough() -> bool | str:
-        return len(found()) >= count or f"{len(found())} of {count} lines"
+        found[:] = _written_since(path, since)
+        return len(found) >= count or f"{len(found)} of {count} lines"
     until(f"{count} access-log lines in {path}", enough, timeout_s=30)
-    return found()
+    return found
 
 
 def counters_after(metrics_port: str, before: collections.Counter[tuple[str, str, str]],
