@@ -74,30 +74,33 @@ def test_tritons_sequence_examples_pass_with_two_pods(serve_two: RunningStack,
     assert failed is None, f"through Serve (2 pods): {failed}"
 
 
-@pytest.mark.parametrize("protocol", ["grpc", "http"])
-def test_concurrent_sequences_are_each_summed_by_the_triton_holding_them(
-        serve_two: RunningStack, protocol: str) -> None:
-    """8 sequences of 10 calls, each on a client of its own, all at once: Serve's router
-    spreads the calls by the queues it sees, so the sequences start on both Tritons, and each
-    later call that meets the other Triton is asked of its holder, which is busy then."""
-    before = _executions(serve_two, "sequence_sum")
-    base = 7000 if protocol == "grpc" else 8000
+# Serve's router places each START by the queues it sees, so now and then a round's
+# sequences all start on one Triton (CI, once in a few hundred rounds: [0, 80]); such a round
+# leaves one direction of asking untried, and another round is run, this many at most.
+ROUNDS = 3
+
+
+def _concurrent_round(running: RunningStack, protocol: str,
+                      first_id: int) -> tuple[list[str], list[int]]:
+    """SEQUENCES sequences of CALLS calls from `first_id` on, each on a client of its own, all
+    at once: the wrong answers, and the calls each Triton ran."""
+    before = _executions(running, "sequence_sum")
     wrong: list[str] = []
 
     def sequence(s: int) -> None:
         client: tc.InferenceServerClient | th.InferenceServerClient = (
-            tc.InferenceServerClient(serve_two.url("GRPC_PORT")) if protocol == "grpc"
-            else th.InferenceServerClient(serve_two.url("HTTP_PORT")))
+            tc.InferenceServerClient(running.url("GRPC_PORT")) if protocol == "grpc"
+            else th.InferenceServerClient(running.url("HTTP_PORT")))
         total = 0
         try:
             for step in range(CALLS):
                 value = 1 + s * 100 + step
                 total += value
-                got = _call(client, base + s, value, step == 0, step == CALLS - 1)
+                got = _call(client, first_id + s, value, step == 0, step == CALLS - 1)
                 if got != total:
-                    wrong.append(f"sequence {base + s} call {step}: {got}, not {total}")
+                    wrong.append(f"sequence {first_id + s} call {step}: {got}, not {total}")
         except InferenceServerException as error:
-            wrong.append(f"sequence {base + s}: {error}")
+            wrong.append(f"sequence {first_id + s}: {error}")
         finally:
             client.close()
 
@@ -106,11 +109,30 @@ def test_concurrent_sequences_are_each_summed_by_the_triton_holding_them(
         worker.start()
     for worker in workers:
         worker.join(timeout=120)
-    assert not wrong, f"{protocol}: {len(wrong)} of {SEQUENCES * CALLS} wrong: {wrong[:5]}"
     ran = [after - earlier for after, earlier in
-           zip(_executions(serve_two, "sequence_sum"), before, strict=True)]
-    assert sum(ran) == SEQUENCES * CALLS and min(ran) > 0, (
-        f"each call run once, by both Tritons: {ran}")
+           zip(_executions(running, "sequence_sum"), before, strict=True)]
+    return wrong, ran
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_concurrent_sequences_are_each_summed_by_the_triton_holding_them(
+        serve_two: RunningStack, protocol: str) -> None:
+    """8 sequences of 10 calls, each on a client of its own, all at once: Serve's router
+    spreads the calls by the queues it sees, so the sequences start on both Tritons, and each
+    later call that meets the other Triton is asked of its holder, which is busy then. Every
+    round's calls are each run once and summed right; a round whose sequences all started on
+    one Triton is run again with new sequences, until one has both Tritons holding some."""
+    base = 7000 if protocol == "grpc" else 8000
+    rounds: list[list[int]] = []
+    for round_ in range(ROUNDS):
+        wrong, ran = _concurrent_round(serve_two, protocol, base + round_ * 100)
+        assert not wrong, (f"{protocol}, round {round_ + 1}: {len(wrong)} of "
+                           f"{SEQUENCES * CALLS} wrong: {wrong[:5]}")
+        assert sum(ran) == SEQUENCES * CALLS, f"each call run once: {ran} per Triton"
+        rounds.append(ran)
+        if min(ran) > 0:
+            break
+    assert min(rounds[-1]) > 0, f"sequences on both Tritons in one of {ROUNDS} rounds: {rounds}"
 
 
 def test_calls_without_a_sequence_each_run_once_where_serve_sent_them(
