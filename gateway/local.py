@@ -10,6 +10,7 @@ the stack's from it."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -80,21 +81,55 @@ def with_certificates_at(config: dict[str, Any], folder: Path) -> dict[str, Any]
     return config
 
 
-def endpoints_document(ports: Iterable[int], cluster: str = CLUSTER) -> dict[str, Any]:
+@functools.cache
+def _assignment_policy(cluster: str) -> tuple[tuple[str, Any], ...]:
+    """The shipped load assignment's policy of `cluster` (its priorities' overprovisioning)."""
+    assignment = routes.named(yaml.safe_load(CONFIG.read_text()), "clusters",
+                              cluster)["load_assignment"]
+    return tuple((assignment.get("policy") or {}).items())
+
+
+# Where priority 1 reaches the simulated pods: the same Tritons at another loopback address.
+# Envoy's EDS keeps one host per address across a cluster's priorities, so a ready pod
+# listed at both would be at priority 0 only; in the cluster each DNS name is a STRICT_DNS
+# target of its own, whose hosts are apart from the other's (a pod in both is two hosts,
+# each with its checks).
+EVERY_POD_ADDRESS = "127.0.0.2"
+
+
+def _endpoint(port: int, health_port: int | None = None) -> dict[str, Any]:
+    address = "127.0.0.1" if health_port is None else EVERY_POD_ADDRESS
+    endpoint: dict[str, Any] = {"address": {"socket_address": {"address": address,
+                                                               "port_value": port}}}
+    if health_port is not None:
+        endpoint["health_check_config"] = {"port_value": health_port}
+    return {"endpoint": endpoint}
+
+
+def endpoints_document(ports: Iterable[int], cluster: str = CLUSTER,
+                       every_pod: Iterable[tuple[int, int]] = ()) -> dict[str, Any]:
+    """The cluster's endpoints as the shipped config's DNS names list them: the ready pods'
+    Triton `ports` at priority 0 (`triton-pods`) and, at priority 1, every pod's Triton port
+    with its holding port for the checks (`triton-all-pods`; envoy.yaml, the Triton clusters)."""
+    localities: list[dict[str, Any]] = [
+        {"lb_endpoints": [_endpoint(port) for port in sorted(ports)]}]
+    pods = sorted(every_pod)
+    if pods:
+        localities.append({"priority": 1,
+                           "lb_endpoints": [_endpoint(port, holding) for port, holding in pods]})
     return {"resources": [{
         "@type": "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment",
         "cluster_name": cluster,
-        "endpoints": [{"lb_endpoints": [
-            {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1",
-                                                         "port_value": port}}}}
-            for port in sorted(ports)]}],
+        "policy": dict(_assignment_policy(cluster)),
+        "endpoints": localities,
     }]}
 
 
-def write_endpoints(path: Path, ports: Iterable[int], cluster: str = CLUSTER) -> None:
+def write_endpoints(path: Path, ports: Iterable[int], cluster: str = CLUSTER,
+                    every_pod: Iterable[tuple[int, int]] = ()) -> None:
     """Replaces the file by a rename, the change Envoy's directory watch reacts to."""
     staged = path.with_name(path.name + ".new")
-    staged.write_text(json.dumps(endpoints_document(ports, cluster)))
+    staged.write_text(json.dumps(endpoints_document(ports, cluster, every_pod)))
     os.replace(staged, path)
 
 
@@ -116,16 +151,17 @@ def _healthy(host: dict[str, Any]) -> bool:
     return health == {"eds_health_status": "HEALTHY"}
 
 
-def upstream_ports(admin_port: int, healthy_only: bool = False) -> set[int]:
-    """The Triton ports Envoy has in its `triton` cluster now (with `healthy_only`, those it
-    would send a call to)."""
+def upstream_ports(admin_port: int, healthy_only: bool = False, priority: int = 0,
+                   cluster: str = CLUSTER) -> set[int]:
+    """The Triton ports Envoy has in its `triton` cluster (or `cluster`) now at `priority` (0:
+    the ready pods; with `healthy_only`, those it would send a call to)."""
     url = f"http://127.0.0.1:{admin_port}/clusters?format=json"
     with urllib.request.urlopen(url, timeout=5) as response:
         status = json.load(response)
     return {int(host["address"]["socket_address"]["port_value"])
-            for cluster in status.get("cluster_statuses", []) if cluster.get("name") == CLUSTER
-            for host in cluster.get("host_statuses", [])
-            if not healthy_only or _healthy(host)}
+            for listed in status.get("cluster_statuses", []) if listed.get("name") == cluster
+            for host in listed.get("host_statuses", [])
+            if int(host.get("priority", 0)) == priority and (not healthy_only or _healthy(host))}
 
 
 def validate(path: Path = CONFIG) -> int:

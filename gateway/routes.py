@@ -3,8 +3,10 @@
 Its refused-RPC routes are written from the one allow-list, `allowed_admin_rpcs` in the Serve
 config's args, and the RPC table (serve/triton_pod/rpcs.py): `make gateway-config`
 rewrites the block between the markers, and the checks refuse a config whose routes differ,
-so both data paths refuse the same calls with the same words. Its retries are written from
-the Serve config's max_replicas (sequence_retries): a sequence's call reaches every GPU pod.
+so both data paths refuse the same calls with the same words. Its retries and its retry
+priority's update frequency are written from the Serve config's max_replicas
+(sequence_retries, ready_pods): a sequence's call reaches every ready GPU pod, then every
+leaving one that holds live sequences.
 
     python -m gateway.routes [--check]
 """
@@ -46,6 +48,9 @@ SEQUENCE_NOT_HELD_HTTP_STATUS = 400
 # others refer to), written by `make gateway-config` from the Serve config (sequence_retries).
 RETRIES_LINE = re.compile(r"^(\s*num_retries: &retries )\d+( .*)?$", re.M)
 MIN_RETRIES = 3
+# The line that says after how many tries of ready pods a call may go to a leaving one
+# (previous_priorities' update_frequency), written from the Serve config (ready_pods).
+READY_PODS_LINE = re.compile(r"^(\s*update_frequency: &ready-pods )\d+( .*)?$", re.M)
 
 
 def allowed_admin_rpcs(serve_config: dict[str, Any]) -> list[str]:
@@ -101,24 +106,35 @@ def _render_block(lines: list[str], block: str, routes: list[dict[str, Any]]) ->
     return lines[: header_end + 1] + written + lines[end:]
 
 
-def sequence_retries(serve_config: dict[str, Any]) -> int:
-    """The retries of the gateway's retry policies: enough for a sequence's call to reach every
-    GPU pod the Serve config allows (max_replicas), and never fewer than 3 (a call no Triton
-    ran, on another Triton); no more, since each retry of a refused call is another Triton's
-    work (a malformed HTTP inference is refused by each Triton tried)."""
+def ready_pods(serve_config: dict[str, Any]) -> int | None:
+    """The most GPU pods the Serve config allows (max_replicas), or None when it names none."""
     for app in serve_config.get("applications") or []:
         for deployment in app.get("deployments") or []:
             pods = (deployment.get("autoscaling_config") or {}).get("max_replicas")
             if isinstance(pods, int):
-                return max(MIN_RETRIES, pods - 1)
-    return MIN_RETRIES
+                return pods
+    return None
 
 
-def render(text: str, allowed: list[str], retries: int = 0) -> str:
-    """The config text with the blocks between the markers written from the allow-list, and
-    the retries line (RETRIES_LINE) from `retries` (0: as it is)."""
+def sequence_retries(serve_config: dict[str, Any]) -> int:
+    """The retries of the gateway's retry policies: enough for a sequence's call to try as many
+    ready pods as the Serve config allows (max_replicas, the retry priority's update frequency:
+    ready_pods) and then every other pod, one of which may be leaving with the sequence
+    (2 x max_replicas - 2 retries), and never fewer than 3 (a call no Triton ran, on another
+    Triton); no more, since each retry of a refused call is another Triton's work (a malformed
+    HTTP inference is refused by each Triton tried)."""
+    pods = ready_pods(serve_config)
+    return MIN_RETRIES if pods is None else max(MIN_RETRIES, 2 * pods - 2)
+
+
+def render(text: str, allowed: list[str], retries: int = 0, pods: int | None = None) -> str:
+    """The config text with the blocks between the markers written from the allow-list, the
+    retries line (RETRIES_LINE) from `retries` (0: as it is) and the ready pods' line
+    (READY_PODS_LINE) from `pods` (None: as it is)."""
     if retries:
         text = RETRIES_LINE.sub(rf"\g<1>{retries}\g<2>", text)
+    if pods:
+        text = READY_PODS_LINE.sub(rf"\g<1>{pods}\g<2>", text)
     lines = text.splitlines(keepends=True)
     lines = _render_block(lines, GRPC_BLOCK, refused_routes(allowed))
     lines = _render_block(lines, HTTP_BLOCK, refused_http_routes(allowed))
@@ -168,7 +184,7 @@ def listener_routes(envoy: dict[str, Any], name: str) -> list[dict[str, Any]]:
     return routes
 
 
-def _retries_sequences(policy: dict[str, Any]) -> bool:
+def retries_sequences(policy: dict[str, Any]) -> bool:
     """Whether a retry policy tries a call Triton refused as not holding its sequence again."""
     retry_on = str(policy.get("retry_on") or "").split(",")
     by_words = "retriable-headers" in retry_on and any(
@@ -206,7 +222,7 @@ def sequence_tries(envoy: dict[str, Any]) -> dict[str, int | None]:
                  for policy in [host.get("retry_policy") or {}] + [
                      (r.get("route") or {}).get("retry_policy") or {}
                      for r in host.get("routes") or []]
-                 if _retries_sequences(policy)]
+                 if retries_sequences(policy)]
         found[listener] = min(tries) if tries else None
     return found
 
@@ -239,7 +255,8 @@ def refusals(envoy: dict[str, Any], serve_config: dict[str, Any]) -> list[dict[s
 def main(argv: list[str] | None = None) -> int:
     text = ENVOY_CONFIG.read_text()
     serve_config = yaml.safe_load(SERVE_CONFIG.read_text())
-    rendered = render(text, allowed_admin_rpcs(serve_config), sequence_retries(serve_config))
+    rendered = render(text, allowed_admin_rpcs(serve_config), sequence_retries(serve_config),
+                      ready_pods(serve_config))
     return write_or_check(ENVOY_CONFIG, rendered, argv, __doc__, "make gateway-config")
 
 

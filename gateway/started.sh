@@ -11,17 +11,30 @@
 set -u
 . "$(dirname "$0")/envoy-admin.sh"
 
-# ^cluster\.triton(-http)?\.(membership_(total|healthy)|update_success)$, percent-encoded
-admin GET '/stats?filter=%5Ecluster%5C.triton%28-http%29%3F%5C.%28membership_%28total%7Chealthy%29%7Cupdate_success%29%24' |
-  awk -F': ' '
-    { split($1, name, "."); value[name[2] " " name[3]] = $2 + 0 }
+# The ready pods are priority 0 of each cluster; priority 1 lists every pod again, healthy
+# only while one leaving holds live sequences (gateway/envoy.yaml), so counts are of priority
+# 0, read per host from /clusters (each host's health_flags line comes before its priority
+# line). Whether DNS answered: update_success in /stats.
+# ^cluster\.triton(-http)?\.update_success$, percent-encoded
+{ admin GET '/stats?filter=%5Ecluster%5C.triton%28-http%29%3F%5C.update_success%24'
+  admin GET '/clusters'; } |
+  awk '
+    / *: */ && /^cluster\./ { split($1, name, "."); answered[name[2]] = $2 + 0; next }
+    {
+      n = split($0, part, "::")
+      if (n < 4 || (part[1] != "triton" && part[1] != "triton-http")) next
+      if (part[3] == "health_flags") flags = part[4]
+      if (part[3] == "priority" && part[4] == 0) {
+        total[part[1]]++
+        if (flags == "healthy") healthy[part[1]]++
+      }
+    }
     END {
       n = split("triton triton-http", clusters, " ")
       for (i = 1; i <= n; i++) {
         c = clusters[i]
-        if (!((c " membership_total") in value)) { print c ": no stats"; exit 1 }
-        if (value[c " update_success"] == 0) { print c ": no DNS answer yet"; exit 1 }
-        total = value[c " membership_total"]; healthy = value[c " membership_healthy"]
-        if (total > 0 && healthy == 0) { print c ": " total " listed, none healthy"; exit 1 }
+        if (!(c in answered)) { print c ": no stats"; exit 1 }
+        if (answered[c] == 0) { print c ": no DNS answer yet"; exit 1 }
+        if (total[c] > 0 && healthy[c] + 0 == 0) { print c ": " total[c] " listed, none healthy"; exit 1 }
       }
     }'

@@ -23,6 +23,7 @@ from schema.serve_app import policy_kwargs, triton_app, with_policy_kwarg
 from tools.env_file import env_file
 from triton_pod.access import ADMIN_KEY_ENV
 from triton_pod.admission import PATH as ADMISSION_PATH
+from triton_pod.holding import HOLDING_GRPC_PORT_ENV, HOLDING_PORT_ENV
 from triton_pod.pod import (
     TRITON_ADDRESS_ENV,
     TRITON_HTTP_ADDRESS_ENV,
@@ -102,7 +103,9 @@ def start_pod_node(settings: Settings, index: int, workdir: Path,
            TRITON_ADDRESS_ENV: f"localhost:{triton.grpc}",
            TRITON_HTTP_ADDRESS_ENV: f"localhost:{triton.http}",
            TRITON_METRICS_URL_ENV: f"http://localhost:{triton.metrics}/metrics",
-           POD_READY_PORT_ENV: str(settings.pod_ready_port(index))}
+           POD_READY_PORT_ENV: str(settings.pod_ready_port(index)),
+           HOLDING_PORT_ENV: str(settings.pod_holding_ports(index)[0]),
+           HOLDING_GRPC_PORT_ENV: str(settings.pod_holding_ports(index)[1])}
     cmd = [
         str(ray), "start", "--block", "--disable-usage-stats",
         f"--address=127.0.0.1:{settings.gcs_port}",

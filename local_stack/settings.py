@@ -199,6 +199,12 @@ class Settings:
         """Where simulated pod `index`'s replica answers the pod's readiness."""
         return self.pod_ready_base + POD_PORT_STEP * index
 
+    def pod_holding_ports(self, index: int) -> tuple[int, int]:
+        """Where simulated pod `index`'s replica answers whether it holds live sequences while
+        leaving (HTTP, gRPC health): the two ports after its readiness's, in the pod's block."""
+        ready = self.pod_ready_port(index)
+        return ready + 1, ready + 2
+
     @property
     def client_port_owner(self) -> str:
         return "Envoy (the gateway)" if self.data_path == "gateway" else "Serve's gRPC proxy"
@@ -346,7 +352,8 @@ class Settings:
         found = set(self.port_variables().values())
         for i in range(self.tritons):
             t = self.triton(i)
-            found |= {t.http, t.grpc, t.metrics, self.pod_ready_port(i)}
+            found |= {t.http, t.grpc, t.metrics, self.pod_ready_port(i),
+                      *self.pod_holding_ports(i)}
         for protocol in ("HTTP", "GRPC"):
             low = env.get(f"RAY_SERVE_DIRECT_INGRESS_MIN_{protocol}_PORT", "")
             high = env.get(f"RAY_SERVE_DIRECT_INGRESS_MAX_{protocol}_PORT", "")
@@ -370,7 +377,9 @@ class Settings:
             ports |= {f"TRITON_HTTP_PORT (pod {index})": triton.http,
                       f"TRITON_GRPC_PORT (pod {index})": triton.grpc,
                       f"TRITON_METRICS_PORT (pod {index})": triton.metrics,
-                      f"POD_READY_PORT (pod {index})": self.pod_ready_port(index)}
+                      f"POD_READY_PORT (pod {index})": self.pod_ready_port(index),
+                      f"holding port (pod {index})": self.pod_holding_ports(index)[0],
+                      f"holding gRPC port (pod {index})": self.pod_holding_ports(index)[1]}
         seen: dict[int, str] = {}
         for name, port in ports.items():
             if port in seen:

@@ -204,7 +204,7 @@ class Discovery:
     """Gateway path: which Tritons Envoy may call, rewritten as pods become ready or go.
     A pod is listed while its replica says it is ready (its Triton ready, its models warm), Serve
     runs that replica and the pod is not being deleted: what the headless Service `triton-pods`
-    lists in the cluster."""
+    lists in the cluster; every pod, at priority 1, as `triton-all-pods` does."""
 
     def __init__(self, stack: LocalStack) -> None:
         self._stack = stack
@@ -216,8 +216,7 @@ class Discovery:
         self._pod_of_pid: dict[int, int | None] = {}
         self._replica_pods: set[int] = set()
         self._unanswered = False
-        gateway.write_endpoints(self.path, [])
-        gateway.write_endpoints(self.http_path, [], HTTP_CLUSTER)
+        self._write([])
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="discovery", daemon=True)
 
@@ -229,8 +228,22 @@ class Discovery:
         if self._thread.is_alive():
             self._thread.join(timeout=10)
 
+    def _write(self, ready: list[int]) -> None:
+        """The ready pods at priority 0; every pod, with its holding ports for Envoy's checks,
+        at priority 1 (what `triton-all-pods` lists: publishNotReadyAddresses)."""
+        s = self._stack.settings
+        every = range(s.tritons)
+        gateway.write_endpoints(self.path, [s.triton(i).grpc for i in ready], every_pod=[
+            (s.triton(i).grpc, s.pod_holding_ports(i)[1]) for i in every])
+        gateway.write_endpoints(self.http_path, [s.triton(i).http for i in ready], HTTP_CLUSTER,
+                                every_pod=[(s.triton(i).http, s.pod_holding_ports(i)[0])
+                                           for i in every])
+
     def replica_pods(self) -> set[int]:
-        """The pods where Serve runs a replica now (the autoscaler's view too). While the
+        """The pods where Serve runs a replica now, or stops one: a stopping replica's pod
+        stays Ready until its readiness says otherwise, as the kubelet's probe of it sees it
+        (a replica leaving with live sequences answers ready for a moment more:
+        serve/triton_pod/pod.py HANDOVER_S). While the
         dashboard does not answer, the last answer: in the cluster a pod's readiness comes from
         its node's Serve proxy (KubeRay's readiness probe), so a slow dashboard changes nothing
         that the Service lists."""
@@ -247,7 +260,7 @@ class Discovery:
         by_address = {f"localhost:{s.triton(i).grpc}": i for i in range(s.tritons)}
         pods = set()
         for replica in found:
-            if replica.get("state") == "RUNNING":
+            if replica.get("state") in ("RUNNING", "STOPPING"):
                 pid = int(replica.get("pid") or 0)
                 if self._pod_of_pid.get(pid) is None:
                     address = ray_cluster.replica_triton_address(pid)
@@ -270,9 +283,7 @@ class Discovery:
                      and http_ready(s.pod_ready_port(i), host="127.0.0.1", path=READY_PATH,
                                     timeout=POD_READY_TIMEOUT_S) is True}
             if ready != self.listed:
-                gateway.write_endpoints(self.path, [s.triton(i).grpc for i in ready])
-                gateway.write_endpoints(self.http_path, [s.triton(i).http for i in ready],
-                                        HTTP_CLUSTER)
+                self._write(sorted(ready))
                 say(f"gateway discovery: pods {sorted(ready)} "
                     f"(Triton gRPC ports {[s.triton(i).grpc for i in sorted(ready)]})")
                 self.listed = ready

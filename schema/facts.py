@@ -34,6 +34,8 @@ from gateway.routes import (
     http_filters,
     named,
     refusals,
+    retries_sequences,
+    retry_holders,
     sequence_tries,
 )
 from gateway.tenant_shares import (
@@ -50,7 +52,7 @@ from triton_pod.access import ADMIN_HEADER, ADMIN_KEY_NAME, HTTP_ADMIN_HEADER, T
 from triton_pod.admission import PORT_ENV as ADMISSION_PORT_ENV
 from triton_pod.admission import SATURATED_ENV
 from triton_pod.autoscaling import TritonQueueTimePolicy
-from triton_pod.pod import TritonPodArgs
+from triton_pod.pod import HANDOVER_S, TritonPodArgs
 from triton_pod.pod_ready import READY_PATH
 from triton_pod.prewarm import CONFIG_MAP as PREWARM_CONFIG_MAP
 from triton_pod.warmup import WarmupArgs
@@ -203,12 +205,20 @@ def _envoy_ports(envoy: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]
     return listeners, admin
 
 
-def _cluster_sockets(envoy: dict[str, Any], cluster: str) -> list[dict[str, Any]]:
-    """The socket addresses of a cluster's endpoints (the Tritons it dials)."""
-    return [endpoint.get("endpoint", {}).get("address", {}).get("socket_address", {})
+def _cluster_endpoints(envoy: dict[str, Any], cluster: str,
+                       priority: int = 0) -> list[dict[str, Any]]:
+    """A cluster's endpoints at `priority` (0: the ready Tritons it dials first)."""
+    return [endpoint.get("endpoint", {})
             for group in (named(envoy, "clusters", cluster).get("load_assignment") or {})
-            .get("endpoints") or []
+            .get("endpoints") or [] if _int(group.get("priority", 0)) == priority
             for endpoint in group.get("lb_endpoints") or []]
+
+
+def _cluster_sockets(envoy: dict[str, Any], cluster: str,
+                     priority: int = 0) -> list[dict[str, Any]]:
+    """The socket addresses of a cluster's endpoints at `priority` (the Tritons it dials)."""
+    return [endpoint.get("address", {}).get("socket_address", {})
+            for endpoint in _cluster_endpoints(envoy, cluster, priority)]
 
 
 def _cluster_port(envoy: dict[str, Any], cluster: str) -> Any:
@@ -220,6 +230,77 @@ def _cluster_port(envoy: dict[str, Any], cluster: str) -> Any:
 def _cluster_hosts(envoy: dict[str, Any], cluster: str) -> list[str]:
     """The DNS names (or addresses) a cluster's endpoints resolve."""
     return [str(socket.get("address")) for socket in _cluster_sockets(envoy, cluster)]
+
+
+def _leaving_pods_unreachable(envoy: dict[str, Any], stream: list[dict[str, Any]],
+                              rayservice: dict[str, Any], serve_config: dict[str, Any],
+                              source: str) -> list[str]:
+    """Why a leaving pod's live sequences would not get their calls (invariant
+    leaving-pods-reachable): each Triton cluster lists every worker pod at priority 1 through a
+    headless Service that publishes not-ready pods, checked on the replica's holding port; the
+    ready pods at priority 0 take every plain call; a refused call of a sequence moves on to
+    priority 1; the replica waits for its sequences within Serve's graceful shutdown."""
+    app, deployment, app_path = triton_app(serve_config)
+    args = app.get("args") or {}
+    fields = TritonPodArgs.model_fields
+    ports = {GRPC_CLUSTER: ("holding_grpc_port", args.get(
+                 "holding_grpc_port", fields["holding_grpc_port"].default)),
+             HTTP_CLUSTER: ("holding_port", args.get("holding_port",
+                                                     fields["holding_port"].default))}
+    pods = _int((deployment.get("autoscaling_config") or {}).get("max_replicas"))
+    services = {(o.get("metadata") or {}).get("name"): o for o in stream
+                if o.get("kind") == "Service"}
+    workers = [g.get("template") or {} for g in
+               (rayservice.get("spec", {}).get("rayClusterConfig") or {}).get(
+                   "workerGroupSpecs") or []]
+    found: list[str] = []
+    for cluster, (arg, port) in ports.items():
+        where = f"{source} clusters[{cluster}]"
+        endpoints = _cluster_endpoints(envoy, cluster, priority=1)
+        if not endpoints:
+            found.append(f"{where}: no priority-1 endpoint lists the worker pods")
+        for endpoint in endpoints:
+            checked = (endpoint.get("health_check_config") or {}).get("port_value")
+            if _int(checked) != _int(port):
+                found.append(f"{where} priority 1 health_check_config.port_value {checked}: "
+                             f"not {app_path}.args.{arg} ({port})")
+            host = str((endpoint.get("address", {}).get("socket_address") or {}).get(
+                "address")).split(".")[0]
+            service = services.get(host)
+            if service is None:
+                found.append(f"{where} priority 1 resolves {host}: no Service {host}")
+                continue
+            spec = service.get("spec") or {}
+            if spec.get("clusterIP") != "None":
+                found.append(f"Service {host} spec.clusterIP: not None (Envoy would get one "
+                             "address, not each pod's)")
+            if spec.get("publishNotReadyAddresses") is not True:
+                found.append(f"Service {host} spec.publishNotReadyAddresses: not true (a pod "
+                             "that left the ready ones is not listed)")
+            if not any(_selects(spec.get("selector") or {}, t) for t in workers):
+                found.append(f"Service {host} spec.selector: selects no worker pod")
+        factor = _int(((named(envoy, "clusters", cluster).get("load_assignment") or {})
+                       .get("policy") or {}).get("overprovisioning_factor", 140))
+        if isinstance(pods, int) and isinstance(factor, int) and factor < 100 * pods:
+            found.append(f"{where} load_assignment.policy.overprovisioning_factor {factor}: "
+                         f"below {100 * pods}, so with one of {pods} ready pods healthy plain "
+                         "calls would spill to the leaving ones")
+    for holder in retry_holders(envoy):
+        policy = holder.get("retry_policy") or {}
+        if retries_sequences(policy) and (policy.get("retry_priority") or {}).get(
+                "name") != "envoy.retry_priorities.previous_priorities":
+            found.append(f"{source}: a retry policy that retries sequences has no retry_priority "
+                         "previous_priorities (its calls never leave the ready pods)")
+            break
+    graceful = _int(deployment.get("graceful_shutdown_timeout_s", 20))
+    wait = args.get("leave_wait_s", fields["leave_wait_s"].default)
+    if isinstance(graceful, int) and isinstance(wait, int | float) and (
+            wait + HANDOVER_S >= graceful):
+        found.append(f"RayService {(rayservice.get('metadata') or {}).get('name')} "
+                     f"{app_path}.args.leave_wait_s {wait} (+ {HANDOVER_S:.0f} s): not below "
+                     f"deployments[0].graceful_shutdown_timeout_s ({graceful}); Serve kills the "
+                     "replica first")
+    return found
 
 
 def _discovery_facts(facts: Facts, envoy: dict[str, Any], spec: dict[str, Any],
@@ -588,11 +669,16 @@ def extract(rayservice: dict[str, Any], stream: list[dict[str, Any]] | None = No
         short = [f"{listener}: " + ("no retry policy tries it on another Triton" if tries is None
                                     else f"{tries} Tritons at most")
                  for listener, tries in gateway.sequence_tries.items()
-                 if tries is None or (isinstance(pods, int) and tries < pods)]
+                 if tries is None or (isinstance(pods, int) and tries < 2 * pods - 1)]
         facts.put("sequenceCallsShort", short,
                   f"{gateway.source} listeners' retry_policy.num_retries (a sequence's call) "
                   f"against {serve.app_path}.deployments[0].autoscaling_config.max_replicas "
                   f"({pods} GPU pods)")
+    if gateway is not None:
+        facts.put("leavingPodsUnreachable", _leaving_pods_unreachable(
+            _gateway(stream or [])[1], stream or [], rayservice, serve.config, gateway.source),
+            f"{gateway.source} clusters' priority 1, the Service it resolves and "
+            f"{serve.app_path} (args, graceful_shutdown_timeout_s)")
     if gateway is not None:
         # KubeRay names a RayService's head Service after it (v1.7.0: <name>-head-svc), the
         # same for every cluster it makes; a namePrefix or nameSuffix renames the RayService.

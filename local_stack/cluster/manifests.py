@@ -99,6 +99,8 @@ class Built:
     labels: dict[str, dict[str, str]]
     # Headless Services the build ships (their names resolve to pod addresses): name -> selector.
     headless: dict[str, dict[str, str]]
+    # Those of them with publishNotReadyAddresses: every selected pod, Ready or not.
+    not_ready_published: frozenset[str]
     # spec.serveService's name when it is headless: KubeRay points it at the active cluster.
     serve_service: str | None
     exclude_head: bool
@@ -214,6 +216,9 @@ def read(objects: list[dict[str, Any]]) -> Built:
                  ("gateway", gateway_pod))},
         headless={s["metadata"]["name"]: dict(s["spec"].get("selector") or {})
                   for s in by_kind["Service"] if s["spec"].get("clusterIP") == "None"},
+        not_ready_published=frozenset(
+            s["metadata"]["name"] for s in by_kind["Service"]
+            if s["spec"].get("clusterIP") == "None" and s["spec"].get("publishNotReadyAddresses")),
         serve_service=(serve_service.get("metadata", {}).get("name")
                        if (serve_service.get("spec") or {}).get("clusterIP") == "None" else None),
         exclude_head=bool(rayservice["spec"].get("excludeHeadPodFromServeSvc", False)),

@@ -335,7 +335,8 @@ class ClusterStack:
 
     def reconcile(self) -> None:
         """The endpoints controller, CoreDNS's records and kube-proxy's rules in one: the
-        ready, non-terminating pods each Service selects, published. The build's headless
+        ready, non-terminating pods each Service selects (every one where the Service publishes
+        not-ready addresses), published. The build's headless
         Services select by their labels; spec.serveService as KubeRay sets its selector: the
         cluster it made active, `ray.io/serve: "true"`."""
         with self._lock:
@@ -346,12 +347,14 @@ class ClusterStack:
             gateways = [p.ip for n, p in self.pods.items() if n.startswith("gateway-")
                         and p.ready]
 
-        def selected(selector: dict[str, str]) -> list[str]:
+        def selected(selector: dict[str, str], every: bool = False) -> list[str]:
             return [pod.ip for pod, labels in members
-                    if pod.ready and selector.items() <= labels.items()]
+                    if (every or pod.ready) and selector.items() <= labels.items()]
 
+        # publishNotReadyAddresses: every pod selected, Ready or not, terminating or not (the
+        # endpoints controller tolerates both then).
         for name, selector in self.built.headless.items():
-            self.dns.publish(name, selected(selector))
+            self.dns.publish(name, selected(selector, name in self.built.not_ready_published))
         self.dns.publish(self.built.head_service,
                          [c.head.ip for c in clusters if c.name == active])
         if self.built.serve_service:

@@ -27,6 +27,14 @@ from starlette.responses import Response
 
 from .access import HTTP_ADMIN_HEADER, TokenCheck, admin_key
 from .grpc_forwarding import MAX_MESSAGE_BYTES, GrpcForwarding, install_rpc_methods
+from .holding import (
+    HOLDING_GRPC_PORT_ENV,
+    HOLDING_PORT_ENV,
+    Holding,
+    HoldingAnswers,
+    live_sequence_models,
+    sequence_idle_s,
+)
 from .http_forwarding import HttpForwarder
 from .pod_ready import POD_READY_PORT_ENV, TRITON_CHECK_S, PodReadiness
 from .routing import ASKED
@@ -47,6 +55,15 @@ GAUGES_AGAIN_S = 10.0
 # elsewhere (one question to Serve's controller, not one per such call). A replica added since
 # holds no sequence yet; one gone since answers that it was asked (sequences.py).
 REPLICAS_AGAIN_S = 2.0
+# A leaving pod with live sequences answers healthy on its holding ports this long before it
+# stops being ready: Envoy checks every second (gateway/envoy.yaml, the Triton clusters), so
+# its priority-1 copy is healthy before its priority-0 one goes.
+HANDOVER_S = 2.0
+# How often a leaving replica reads its Triton's statistics again.
+LEAVE_POLL_S = 0.5
+# A leaving replica waits for its sequences only where a gateway checked its holding ports
+# this recently (gateway/envoy.yaml: every second): on the Serve path nothing would reach it.
+GATEWAY_CHECKED_S = 5.0
 
 
 class TritonPodArgs(BaseModel):
@@ -80,6 +97,17 @@ class TritonPodArgs(BaseModel):
         8103, gt=0, lt=65536,
         description="where the pod's readiness (Triton ready, models warm) answers: the "
                     "Triton container's readinessProbe (pod_ready.py)")
+    holding_port: int = Field(
+        8104, gt=0, lt=65536,
+        description="where a leaving pod answers the HTTP Triton cluster's check of its live "
+                    "sequences (holding.py; gateway/envoy.yaml's priority 1)")
+    holding_grpc_port: int = Field(
+        8105, gt=0, lt=65536,
+        description="the same for the gRPC Triton cluster (grpc.health.v1)")
+    leave_wait_s: float = Field(
+        45.0, ge=0,
+        description="how long a stopping replica waits while its Triton holds live sequences "
+                    "(below graceful_shutdown_timeout_s: invariant leaving-pods-reachable)")
     warmup: WarmupArgs = Field(default_factory=WarmupArgs,
                                description="the models' warm-up before the pod joins (warmup.py)")
 
@@ -150,9 +178,73 @@ class TritonPod(GrpcForwarding):
         # The last warm-up's gauges, recorded again now and then (GAUGES_AGAIN_S).
         self._gauges: dict[str | None, float] = {}
         await self._readiness.start(int(os.environ.get(POD_READY_PORT_ENV) or args.ready_port))
+        self._holding = Holding()
+        self._holding_answers = HoldingAnswers(self._holding)
+        # The models' idle times, read from Triton once a leaving replica meets them.
+        self._idle_s: dict[str, float | None] = {}
+        await self._holding_answers.start(
+            int(os.environ.get(HOLDING_PORT_ENV) or args.holding_port),
+            int(os.environ.get(HOLDING_GRPC_PORT_ENV) or args.holding_grpc_port))
         await self._wait_for_triton()
         await self._warm()
         self._watch = asyncio.get_running_loop().create_task(self._watch_triton())
+
+    def __del__(self) -> Awaitable[None] | None:
+        """Serve's stop of this replica: Serve awaits what this returns (its replica wrapper
+        accepts a coroutine from `__del__`). Python's own call when the object is collected,
+        outside a running loop, does nothing."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return None
+        if not hasattr(self, "_holding") or self._holding.leaving:
+            return None
+        return self._leave()
+
+    async def _leave(self) -> None:
+        """The pod leaves the ready ones; while its Triton holds live sequences (holding.py),
+        up to `leave_wait_s`, the replica stays, answering healthy on its holding ports, so the
+        gateway sends those sequences' calls here until they end or go idle."""
+        self._holding.leaving = True
+        await self._update_holding()
+        if self._holding.live and not self._holding_answers.asked_within(GATEWAY_CHECKED_S):
+            logger.info("leaving with live sequences of %s, which end here: no gateway checks "
+                        "this pod's holding ports (the Serve path)", self._holding.live)
+            self._holding.live = []
+        if self._holding.live:
+            logger.info("leaving with live sequences of %s: the gateway sends their calls here "
+                        "for up to %.0f s", self._holding.live, self._args.leave_wait_s)
+            await asyncio.sleep(HANDOVER_S)
+        self._readiness.stopping = True
+        deadline = time.monotonic() + self._args.leave_wait_s
+        while self._holding.live and time.monotonic() < deadline:
+            await asyncio.sleep(LEAVE_POLL_S)
+            await self._update_holding()
+        if self._holding.live:
+            logger.warning("left after %.0f s (leave_wait_s) with live sequences of %s: their "
+                           "next calls are refused", self._args.leave_wait_s,
+                           self._holding.live)
+        else:
+            logger.info("left holding no live sequence")
+        await self._holding_answers.stop()
+
+    async def _update_holding(self) -> None:
+        """The sequence models Triton ran a call of within their idle time; what Triton does
+        not answer counts as none (a Triton gone holds nothing)."""
+        try:
+            status, body = await self._request("GET", "/v2/models/stats", None, {}, 2.0)
+            if status != 200:
+                raise RuntimeError(f"Triton's statistics answered {status}: {body[:200]!r}")
+            stats: dict[str, Any] = json.loads(body)
+            for model in {str(m.get("name", "")) for m in stats.get("model_stats", [])}:
+                if model not in self._idle_s:
+                    self._idle_s[model] = sequence_idle_s(await self._config(model))
+            idle = {m: s for m, s in self._idle_s.items() if s is not None}
+            self._holding.live = live_sequence_models(stats, idle, time.time())
+        except (aiohttp.ClientError, TimeoutError, RuntimeError, ValueError) as error:
+            logger.warning("a leaving replica could not read its Triton's statistics: %s; it "
+                           "holds no live sequence", error)
+            self._holding.live = []
 
     async def _triton_says(self, rpc: str, timeout: float) -> str | None:
         """None when Triton answers `rpc` (ServerReady or ServerLive) true, else why not. Both

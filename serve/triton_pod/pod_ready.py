@@ -34,6 +34,9 @@ class PodReadiness:
         self._triton_ready = triton_ready
         self.warm = False
         self.reason = "its models are not warm yet"
+        # Set when Serve stops the replica (pod.py's _leave): the pod leaves the ready ones
+        # for good, whatever its Triton and its models say.
+        self.stopping = False
         self._server: asyncio.Server | None = None
 
     async def start(self, port: int) -> None:
@@ -47,6 +50,8 @@ class PodReadiness:
 
     async def verdict(self) -> str | None:
         """None when the pod may take calls, else why not."""
+        if self.stopping:
+            return "its replica is stopping"
         if not self.warm:
             return self.reason
         return await self._triton_ready()

@@ -8,6 +8,7 @@ example clients run unchanged."""
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import subprocess
 import threading
@@ -31,6 +32,7 @@ from local_stack.processes import end_session, free_orphaned_regions, spawn, ter
 from local_stack.settings import Settings, TritonPorts
 from tests.support.examples import SEQUENCE_EXAMPLES, sequence_example_passed
 from tests.support.lone_gateway import envoy_before
+from triton_pod.holding import Holding, HoldingAnswers
 from triton_pod.sequences import SEQUENCE_NOT_HELD
 
 pytestmark = pytest.mark.processes
@@ -100,11 +102,22 @@ class TwoPods:
     # The gateway's folder: its discovery files (endpoints.json, endpoints-http.json).
     folder: Path
 
-    def list_pods(self, pods: list[Pod]) -> None:
-        """The pods the headless Service lists now (the gateway's discovery)."""
-        gateway.write_endpoints(self.folder / "endpoints.json", [p.ports.grpc for p in pods])
+    def list_pods(self, pods: list[Pod],
+                  every: list[tuple[Pod, tuple[int, int]]] | None = None) -> None:
+        """The pods the headless Service lists now (the gateway's discovery), and `every` pod
+        with its holding ports (HTTP, gRPC) as `triton-all-pods` lists them (none: not
+        listed)."""
+        every = every or []
+        gateway.write_endpoints(self.folder / "endpoints.json", [p.ports.grpc for p in pods],
+                                every_pod=[(p.ports.grpc, ports[1]) for p, ports in every])
         gateway.write_endpoints(self.folder / "endpoints-http.json", [p.ports.http for p in pods],
-                                HTTP_CLUSTER)
+                                HTTP_CLUSTER,
+                                every_pod=[(p.ports.http, ports[0]) for p, ports in every])
+
+    def healthy_ports(self, priority: int) -> tuple[set[int], set[int]]:
+        """The Triton ports (gRPC, HTTP) the gateway counts healthy at `priority` now."""
+        return (gateway.upstream_ports(self.admin_port, True, priority),
+                gateway.upstream_ports(self.admin_port, True, priority, HTTP_CLUSTER))
 
     @property
     def grpc(self) -> str:
@@ -298,6 +311,114 @@ def test_a_pod_added_under_sequence_load_takes_no_live_sequence_over(two_pods: T
     # The new pod ran calls of the new sequences (START and END of some) and of the plain model
     # (LEAST_REQUEST over three: about a third), none of the live sequences'.
     assert taken[0] > 0 and taken[1] >= 60 // 6, f"the new pod's share: {taken}"
+
+
+class _Replicas:
+    """Each pod's replica's holding ports (serve/triton_pod/holding.py), run here on an event
+    loop of their own as in the replica; the test says when a replica leaves and what its
+    Triton holds."""
+
+    def __init__(self, count: int) -> None:
+        self.holdings = [Holding() for _ in range(count)]
+        self.ports = [(http, grpc) for http, grpc in (free_ports(2) for _ in range(count))]
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._answers = [HoldingAnswers(h) for h in self.holdings]
+
+    def __enter__(self) -> _Replicas:
+        self._thread.start()
+        for answers, (http, grpc) in zip(self._answers, self.ports, strict=True):
+            asyncio.run_coroutine_threadsafe(answers.start(http, grpc), self._loop).result(10)
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        for answers in self._answers:
+            asyncio.run_coroutine_threadsafe(answers.stop(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+
+
+def test_a_leaving_pod_gets_the_calls_of_the_sequences_it_holds_and_no_other(
+        two_pods: TwoPods) -> None:
+    """A scale-down stops pod 1's replica while its Triton holds live sequences: pod 1 leaves
+    the ready pods (priority 0) and, while its replica says it holds them, the gateway lists it
+    healthy at priority 1 (every pod, checked on its holding ports). Every later call of those
+    sequences reaches it over both protocols and sums right; plain calls and new sequences go
+    to the ready pod only; once it holds nothing, a call of its sequence gets Triton's refusal."""
+    kept, leaving = two_pods.pods
+    grpc_client = tc.InferenceServerClient(two_pods.grpc)
+    http_client = th.InferenceServerClient(two_pods.http)
+    clients = {"grpc": grpc_client, "http": http_client}
+    sums: dict[tuple[str, int], int] = {}
+    wrong: list[str] = []
+
+    def step(protocol: str, sequence: int, start: bool = False, end: bool = False) -> None:
+        value = sequence % 100 + 1
+        sums[protocol, sequence] = sums.get((protocol, sequence), 0) + value
+        got = _call(clients[protocol], sequence, value, start, end)
+        if got != sums[protocol, sequence]:
+            wrong.append(f"{protocol} sequence {sequence}: {got}, not {sums[protocol, sequence]}")
+
+    held = [("grpc", 9500 + s) for s in range(5)] + [("http", 9600 + s) for s in range(5)]
+    plain = tc.InferInput("INPUT", [4], "FP32")
+    plain.set_data_from_numpy(np.ones(4, np.float32))
+    try:
+        with _Replicas(2) as replicas:
+            every = list(zip(two_pods.pods, replicas.ports, strict=True))
+            # The sequences start while pod 1 is the only ready one.
+            two_pods.list_pods([leaving], every)
+            until("the gateway to list pod 1 alone as ready, none as leaving",
+                  lambda: (two_pods.healthy_ports(0) == ({leaving.ports.grpc},
+                                                        {leaving.ports.http})
+                  and two_pods.healthy_ports(1) == (set(), set()))
+                  or f"{two_pods.healthy_ports(0)} ready, {two_pods.healthy_ports(1)} leaving",
+                  30)
+            for protocol, sequence in held:
+                step(protocol, sequence, start=True)
+            # Serve stops pod 1's replica: it holds live sequences, then it is not ready.
+            replicas.holdings[1].leaving = True
+            replicas.holdings[1].live = ["sequence_sum"]
+            until("the gateway to count pod 1 healthy as leaving",
+                  lambda: two_pods.healthy_ports(1) == ({leaving.ports.grpc},
+                                                        {leaving.ports.http})
+                  or f"{two_pods.healthy_ports(1)} leaving", 30)
+            two_pods.list_pods([kept], every)
+            until("the gateway to list pod 0 alone as ready",
+                  lambda: two_pods.healthy_ports(0) == ({kept.ports.grpc}, {kept.ports.http})
+                  or f"{two_pods.healthy_ports(0)} ready", 30)
+            before = kept.executions("sequence_sum"), leaving.executions("sequence_sum")
+            plain_before = leaving.executions(PLAIN)
+            for call in range(3):
+                for protocol, sequence in held:
+                    step(protocol, sequence, end=call == 2)
+                    grpc_client.infer(PLAIN, [plain])
+            for fresh in range(9700, 9705):
+                step("grpc", fresh, start=True)
+                step("grpc", fresh, end=True)
+            ran = (kept.executions("sequence_sum") - before[0],
+                   leaving.executions("sequence_sum") - before[1])
+            plain_on_leaving = leaving.executions(PLAIN) - plain_before
+            # The sequences ended: pod 1 holds nothing, and leaves priority 1 too.
+            step("grpc", 9510, start=True)  # a sequence left live on pod 0, the ready one
+            replicas.holdings[1].live = []
+            until("the gateway to count pod 1 out as leaving",
+                  lambda: two_pods.healthy_ports(1) == (set(), set())
+                  or f"{two_pods.healthy_ports(1)} leaving", 30)
+            with pytest.raises(InferenceServerException) as refused:
+                _call(grpc_client, 9500, 1, False, True)  # ended on pod 1: unknown anywhere
+            two_pods.list_pods(two_pods.pods)
+    finally:
+        grpc_client.close()
+        http_client.close()
+        two_pods.list_pods(two_pods.pods)
+        until("the gateway to count both Tritons healthy again",
+              lambda: two_pods.healthy() == 2 or f"{two_pods.healthy()} healthy", 30)
+    assert not wrong, f"{len(wrong)} wrong while pod 1 was leaving: {wrong[:5]}"
+    # Pod 1 ran each held sequence's three calls; pod 0 the new sequences' two calls each (and
+    # the refusals, which Triton does not count as executions).
+    assert ran == (10, 30), f"sequence calls run by (the ready pod, the leaving one): {ran}"
+    assert plain_on_leaving == 0, f"the leaving pod ran {plain_on_leaving} plain calls"
+    assert SEQUENCE_NOT_HELD in str(refused.value), str(refused.value)
 
 
 def test_a_sequence_whose_triton_died_fails_with_tritons_own_refusal(two_pods: TwoPods) -> None:

@@ -11,16 +11,19 @@ import asyncio
 import os
 import shutil
 import signal
+import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import tritonclient.grpc as tc
 import tritonclient.grpc.aio as tc_aio
+import tritonclient.http as th
 from tritonclient.utils import InferenceServerException
 
 from gateway import local as gateway
@@ -38,6 +41,7 @@ from local_stack.triton import (
     merged_model_repository,
 )
 from local_stack.triton_inputs import simple_inputs, tensor
+from tests.gateway.test_sequences import _call as _sequence_call
 from tests.support.examples import SEQUENCE_EXAMPLES, sequence_example_passed
 from tests.support.load import DEADLINE_S, Outcome, load, scale_cycle
 
@@ -47,13 +51,21 @@ AUTOSCALING = {"metrics_interval_s": 0.5, "look_back_period_s": 2, "upscale_dela
                "downscale_delay_s": 4}
 
 
+# How long a replica stopped while its Triton holds live sequences waits for them (below the
+# stack's graceful_shutdown_timeout_s of 20 s, as the invariant leaving-pods-reachable wants).
+LEAVING = {"leave_wait_s": 10}
+
+
+def _two_pods_config(directory: Path, replicas: tuple[int, int] = (2, 2)) -> Path:
+    return serve_config_with(
+        directory, deployment={"graceful_shutdown_timeout_s": 20, "health_check_period_s": 2},
+        autoscaling={**AUTOSCALING, "min_replicas": replicas[0], "max_replicas": replicas[1]},
+        policy_kwargs={"target_queue_ms_per_exec": 50}, args=LEAVING)
+
+
 @pytest.fixture(scope="module")
 def pods(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
-    config = serve_config_with(
-        tmp_path_factory.mktemp("serve-config"),
-        deployment={"graceful_shutdown_timeout_s": 20, "health_check_period_s": 2},
-        autoscaling={**AUTOSCALING, "min_replicas": 2, "max_replicas": 2},
-        policy_kwargs={"target_queue_ms_per_exec": 50})
+    config = _two_pods_config(tmp_path_factory.mktemp("serve-config"))
     models = merged_model_repository([EXAMPLE_MODELS, TEST_MODELS, SEQUENCE_MODELS])
     try:
         with running_stack({"DATA_PATH": "gateway", "TRITONS": "2", "SERVE_CONFIG": str(config),
@@ -66,13 +78,13 @@ def pods(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
     assert not processes_left_behind(running.process)
 
 
-def _execution_counts(running: RunningStack) -> list[int]:
+def _execution_counts(running: RunningStack, model: str = "simple") -> list[int]:
     counts = []
     for pod in (0, 1):
         with urllib.request.urlopen(running.triton_metrics_url(pod), timeout=10) as response:
             text = response.read().decode()
         counts.append(sum(int(float(line.split()[-1])) for line in text.splitlines()
-                          if line.startswith('nv_inference_count{model="simple"')))
+                          if line.startswith(f'nv_inference_count{{model="{model}"')))
     return counts
 
 
@@ -219,6 +231,77 @@ def test_pod_removed_as_a_scale_down_loses_no_call(pods: RunningStack) -> None:
 
 
 @pytest.mark.disruptive
+def test_a_scale_down_keeps_the_sequences_of_the_pod_it_removes(pods: RunningStack,
+                                                                 tmp_path: Path) -> None:
+    """Serve scales the deployment from two replicas to one while 16 sequences (8 over gRPC, 8
+    over HTTP) run on both pods, as the autoscaler does when the load falls: the stopped
+    replica's pod leaves the ready ones, but while its Triton holds live sequences the replica
+    stays and says so on its holding ports (serve/triton_pod/holding.py), and the gateway sends
+    the calls of those sequences there (gateway/envoy.yaml, priority 1). Every sum is right,
+    and the leaving pod's Triton ran calls after it had left the ready ones."""
+    seen = len(pods.process.lines)
+    sequences = [("grpc", 9100 + s) for s in range(8)] + [("http", 9200 + s) for s in range(8)]
+    sums: dict[int, int] = {}
+    wrong: list[str] = []
+    rounds = [0]
+    stop = threading.Event()
+
+    def run() -> None:
+        clients: dict[str, Any] = {"grpc": tc.InferenceServerClient(pods.url("GRPC_PORT")),
+                                   "http": th.InferenceServerClient(pods.url("HTTP_PORT"))}
+
+        def step(protocol: str, sequence: int, start: bool = False, end: bool = False) -> None:
+            value = sequence % 100 + 1
+            sums[sequence] = sums.get(sequence, 0) + value
+            got = _sequence_call(clients[protocol], sequence, value, start, end)
+            if got != sums[sequence]:
+                wrong.append(f"{protocol} sequence {sequence}: {got}, not {sums[sequence]}")
+
+        try:
+            for protocol, sequence in sequences:
+                step(protocol, sequence, start=True)
+            while not stop.is_set():
+                for protocol, sequence in sequences:
+                    step(protocol, sequence)
+                rounds[0] += 1
+            for protocol, sequence in sequences:
+                step(protocol, sequence, end=True)
+        except InferenceServerException as error:
+            wrong.append(f"after {rounds[0]} rounds: {error}")
+        finally:
+            for client in clients.values():
+                client.close()
+
+    caller = threading.Thread(target=run, name="sequences")
+    caller.start()
+    try:
+        def rounds_since(first: int, wanted: int) -> object:
+            if wrong or not caller.is_alive():
+                raise AssertionError(f"{len(wrong)} wrong: {wrong[:5]}")
+            calls = _execution_counts(pods, "sequence_sum")
+            return (rounds[0] >= first + wanted and min(calls) > 0) or (
+                f"{rounds[0] - first} rounds, {calls} calls per pod")
+
+        until("the sequences to run on both pods", lambda: rounds_since(0, 2), 60)
+        pods.redeploy(_two_pods_config(tmp_path, (1, 1)))
+        left = pods.process.wait_for_line(r"gateway discovery: pods \[(\d)\]", 60, after=seen)
+        leaving = 1 - int(left.group(1))
+        at_leave, at_round = _execution_counts(pods, "sequence_sum"), rounds[0]
+        until("three more rounds of every sequence", lambda: rounds_since(at_round, 3), 60)
+    finally:
+        stop.set()
+        caller.join(timeout=60)
+    ran_after = [a - b for a, b in
+                 zip(_execution_counts(pods, "sequence_sum"), at_leave, strict=True)]
+    restored = len(pods.process.lines)
+    pods.redeploy(_two_pods_config(tmp_path))
+    pods.process.wait_for_line(r"gateway discovery: pods \[0, 1\]", 120, after=restored)
+    assert not wrong, f"{len(wrong)} wrong while pod {leaving} was leaving: {wrong[:5]}"
+    assert ran_after[leaving] > 0, (
+        f"the leaving pod ran none of its sequences' calls after it left: {ran_after}")
+
+
+@pytest.mark.disruptive
 def test_tritons_that_join_when_none_is_healthy_get_calls_once_envoy_lists_them_healthy(
         pods: RunningStack) -> None:
     """As when the first GPU pod joins (scale from zero, every Triton back after an outage): the
@@ -287,10 +370,7 @@ def test_envoy_killed_is_restarted_with_both_tritons(pods: RunningStack) -> None
 def test_replicas_follow_tritons_queue_time_up_and_down(
     pods: RunningStack, tmp_path: Path
 ) -> None:
-    config = serve_config_with(
-        tmp_path, deployment={"graceful_shutdown_timeout_s": 20, "health_check_period_s": 2},
-        autoscaling={**AUTOSCALING, "min_replicas": 1, "max_replicas": 2},
-        policy_kwargs={"target_queue_ms_per_exec": 50})
+    config = _two_pods_config(tmp_path, (1, 2))
     # An in-place Serve update, as KubeRay applies a changed serveConfigV2.
     pods.redeploy(config)
     timeline, outcomes = scale_cycle(pods)

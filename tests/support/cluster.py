@@ -84,26 +84,31 @@ class Cluster:
     def wait_gone(self, pod: str, timeout_s: float = 200) -> None:
         self.wait_for(rf"{re.escape(SAID)} {re.escape(pod)}: gone$", timeout_s)
 
-    def _envoy_host_statuses(self, gateway: str, cluster_name: str) -> list[dict[str, Any]]:
-        """One gateway pod's Envoy's hosts of `cluster_name` (its admin interface answers on
-        the pod's loopback only)."""
+    def _envoy_host_statuses(self, gateway: str, cluster_name: str,
+                             priority: int | None = 0) -> list[dict[str, Any]]:
+        """One gateway pod's Envoy's hosts of `cluster_name` at `priority` (0: the ready
+        pods; 1: every pod again, for a leaving one's sequences; None: both), its admin
+        interface answering on the pod's loopback only."""
         done = subprocess.run(["ip", "netns", "exec", f"srk-{gateway}", "wget", "-q", "-O-",
                                "http://127.0.0.1:9901/clusters?format=json"],
                               capture_output=True, text=True, timeout=10, check=True)
         return [host for cluster in json.loads(done.stdout).get("cluster_statuses", [])
                 if cluster.get("name") == cluster_name
-                for host in cluster.get("host_statuses", [])]
+                for host in cluster.get("host_statuses", [])
+                if priority is None or int(host.get("priority", 0)) == priority]
 
-    def envoy_hosts(self, gateway: str, cluster_name: str = "triton") -> dict[str, list[str]]:
-        """What one gateway pod's Envoy thinks of each Triton: address -> health flags."""
+    def envoy_hosts(self, gateway: str, cluster_name: str = "triton",
+                    priority: int = 0) -> dict[str, list[str]]:
+        """What one gateway pod's Envoy thinks of each Triton at `priority` (0: the ready
+        ones): address -> health flags."""
         return {host["address"]["socket_address"]["address"]:
                 sorted(k for k, v in host.get("health_status", {}).items() if v is True)
-                for host in self._envoy_host_statuses(gateway, cluster_name)}
+                for host in self._envoy_host_statuses(gateway, cluster_name, priority)}
 
     def calls_under_way(self, pod_ip: str, cluster_name: str = "triton") -> int:
         """The calls the ready gateway pods' Envoys have under way on the Triton at `pod_ip`."""
         return sum(int(stat.get("value", 0)) for gateway in self.ready_pods("gateway")
-                   for host in self._envoy_host_statuses(gateway, cluster_name)
+                   for host in self._envoy_host_statuses(gateway, cluster_name, None)
                    if host["address"]["socket_address"]["address"] == pod_ip
                    for stat in host.get("stats", []) if stat.get("name") == "rq_active")
 

@@ -31,9 +31,10 @@ async def started_forwarder(args: TritonPodArgs) -> TritonPod:
     """A forwarder constructed as Serve does it: the async constructor awaited; its pod's
     readiness on a free port, its Triton's HTTP endpoint one that answers ready alone, and
     no warm-up (the stand-in Triton has no other HTTP API)."""
-    ready_port, http_port = free_ports(2)
+    ready_port, http_port, holding, holding_grpc = free_ports(4)
     await _http_triton(http_port, {})
-    args = args.model_copy(update={"ready_port": ready_port,
+    args = args.model_copy(update={"ready_port": ready_port, "holding_port": holding,
+                                   "holding_grpc_port": holding_grpc,
                                    "triton_http_address": f"127.0.0.1:{http_port}",
                                    "warmup": WarmupArgs(enabled=False)})
     forwarder = TritonPod.__new__(TritonPod)
@@ -352,7 +353,7 @@ def test_the_warm_up_waits_for_tritons_http_endpoint_which_starts_after_its_grpc
               ("GET", "/v2/models/m/config"): config, ("POST", "/v2/models/m/infer"): {}}
 
     async def scenario() -> dict[str | None, float]:
-        ready_port, http_port = free_ports(2)
+        ready_port, http_port, holding, holding_grpc = free_ports(4)
         http_started: list[asyncio.Task[web.AppRunner]] = []
 
         async def ready(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
@@ -366,7 +367,8 @@ def test_the_warm_up_waits_for_tritons_http_endpoint_which_starts_after_its_grpc
             forwarder = TritonPod.__new__(TritonPod)
             await TritonPod.__init__(forwarder, TritonPodArgs(
                 triton_address=f"127.0.0.1:{port}", triton_http_address=f"127.0.0.1:{http_port}",
-                ready_port=ready_port, ready_timeout_s=30))
+                ready_port=ready_port, holding_port=holding, holding_grpc_port=holding_grpc,
+                ready_timeout_s=30))
             return dict(forwarder._gauges)
 
     gauges = asyncio.run(scenario())
