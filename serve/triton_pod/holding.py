@@ -19,6 +19,8 @@ from typing import Any
 
 import grpc
 
+from .pod_ready import answer_once
+
 logger = logging.getLogger("ray.serve")
 
 # Set only by `make local`, whose simulated pods share one host: each replica's own ports.
@@ -31,7 +33,6 @@ DEFAULT_SEQUENCE_IDLE_US = 1_000_000
 HEALTH_CHECK_PATH = "/grpc.health.v1.Health/Check"
 SERVING = b"\x08\x01"
 NOT_SERVING = b"\x08\x02"
-_MAX_REQUEST_BYTES = 8192
 
 
 def sequence_idle_s(config: dict[str, Any]) -> float | None:
@@ -121,24 +122,13 @@ class HoldingAnswers:
         return SERVING if self._holding.verdict() is None else NOT_SERVING
 
     async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5.0)
-            if len(head) > _MAX_REQUEST_BYTES:
-                raise ValueError("request too large")
+        async def answer(head: bytes) -> tuple[str, str]:
             self._asked = time.monotonic()
             why = self._holding.verdict()
-            status, text = (("200 OK", f"holding live sequences of {self._holding.live}")
-                            if why is None else ("503 Service Unavailable", f"not holding: {why}"))
-            body = (text + "\n").encode()
-            writer.write(f"HTTP/1.1 {status}\r\nContent-Type: text/plain\r\n"
-                         f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
-                         + body)
-            await writer.drain()
-        except (TimeoutError, ValueError, asyncio.IncompleteReadError,
-                asyncio.LimitOverrunError, ConnectionError):
-            pass
-        finally:
-            writer.close()
+            return (("200 OK", f"holding live sequences of {self._holding.live}")
+                    if why is None else ("503 Service Unavailable", f"not holding: {why}"))
+
+        await answer_once(reader, writer, answer)
 
 
 __all__ = ["Holding", "HoldingAnswers", "live_sequence_models", "sequence_idle_s"]

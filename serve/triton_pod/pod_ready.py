@@ -57,24 +57,34 @@ class PodReadiness:
         return await self._triton_ready()
 
     async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5.0)
-            if len(head) > _MAX_REQUEST_BYTES:
-                raise ValueError("request too large")
+        async def answer(head: bytes) -> tuple[str, str]:
             method, path = [*head.split(b" ", 2), b"", b""][:2]
             if method != b"GET" or path.split(b"?")[0] != READY_PATH.encode():
-                status, text = "404 Not Found", f"only GET {READY_PATH} is answered here"
-            else:
-                why = await self.verdict()
-                status, text = ("200 OK", "ready") if why is None else (
-                    "503 Service Unavailable", f"not ready: {why}")
-            body = (text + "\n").encode()
-            writer.write(f"HTTP/1.1 {status}\r\nContent-Type: text/plain\r\n"
-                         f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
-                         + body)
-            await writer.drain()
-        except (TimeoutError, ValueError, asyncio.IncompleteReadError,
-                asyncio.LimitOverrunError, ConnectionError):
-            pass
-        finally:
-            writer.close()
+                return "404 Not Found", f"only GET {READY_PATH} is answered here"
+            why = await self.verdict()
+            return ("200 OK", "ready") if why is None else (
+                "503 Service Unavailable", f"not ready: {why}")
+
+        await answer_once(reader, writer, answer)
+
+
+async def answer_once(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                      answer: Callable[[bytes], Awaitable[tuple[str, str]]]) -> None:
+    """One plain-text HTTP answer on a connection of its own (a probe's, a health check's):
+    the request's head read within 5 s and at most _MAX_REQUEST_BYTES, `answer(head)` gives
+    the status line and the text, then the connection closes."""
+    try:
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5.0)
+        if len(head) > _MAX_REQUEST_BYTES:
+            raise ValueError("request too large")
+        status, text = await answer(head)
+        body = (text + "\n").encode()
+        writer.write(f"HTTP/1.1 {status}\r\nContent-Type: text/plain\r\n"
+                     f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+                     + body)
+        await writer.drain()
+    except (TimeoutError, ValueError, asyncio.IncompleteReadError,
+            asyncio.LimitOverrunError, ConnectionError):
+        pass
+    finally:
+        writer.close()
