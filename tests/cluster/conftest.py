@@ -13,7 +13,12 @@ import pytest
 from local_stack.cluster import network, service
 from local_stack.cluster.network import PREFIX
 from local_stack.harness import serve_config_with
-from local_stack.triton import EXAMPLE_MODELS, TEST_MODELS, merged_model_repository
+from local_stack.triton import (
+    EXAMPLE_MODELS,
+    SEQUENCE_MODELS,
+    TEST_MODELS,
+    merged_model_repository,
+)
 from tests.support.cluster import Cluster, running_cluster
 
 TRITONS = 3
@@ -25,7 +30,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         pytest.fail("the cluster tests need root (make cluster: network namespaces, iptables)")
     config = serve_config_with(tmp_path_factory.mktemp("serve-config"),
                                autoscaling={"min_replicas": TRITONS, "max_replicas": TRITONS})
-    repo = merged_model_repository([EXAMPLE_MODELS, TEST_MODELS])
+    repo = merged_model_repository([EXAMPLE_MODELS, TEST_MODELS, SEQUENCE_MODELS])
     with running_cluster({"TRITONS": str(TRITONS), "GATEWAYS": "2", "SERVE_CONFIG": str(config),
                           "MODEL_REPOSITORY": str(repo)}) as running:
         running.process.wait_for_line(r"service \S+: endpoints \['[\d.]+', '[\d.]+'\]", 60)

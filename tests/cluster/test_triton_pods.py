@@ -1,5 +1,6 @@
 """The GPU pods behind the gateway on the cluster's mechanics: deleted under load with the
-stock 30 s DNS TTL, unhealthy (stopped), slow, refusing connections, and vanished."""
+stock 30 s DNS TTL, deleted while holding live sequences, unhealthy (stopped), slow, refusing
+connections, and vanished."""
 
 from __future__ import annotations
 
@@ -297,6 +298,89 @@ def test_a_triton_pod_deleted_under_load_fails_no_call(cluster: Cluster) -> None
     assert calls.failed() == [], calls.failed()[:10]
     # The DNS TTL (the build's), Envoy's 2 s refresh and a health check.
     assert timings["first calls after ready"] < cluster.built_dns_ttl + 2 + 3
+
+
+def _sequence_calls(pod_ip: str) -> float:
+    """Calls of the model sequence_sum this Triton has run (its own metrics)."""
+    with urllib.request.urlopen(f"http://{pod_ip}:8002/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith('nv_inference_request_success{model="sequence_sum"'))
+
+
+def test_a_gpu_pod_deleted_keeps_serving_its_live_sequences_while_it_drains(
+        cluster: Cluster) -> None:
+    """kubectl delete pod (a drain) while sequences run through the Service IP: the pod leaves
+    triton-pods at once, its Ray node drains (RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S), Serve
+    stops its replica, which stays while its Triton holds live sequences and says so on its
+    holding ports (serve/triton_pod/holding.py); triton-all-pods lists a terminating pod too
+    (publishNotReadyAddresses), and Triton's preStop keeps it up. Once every gateway has the
+    pod out of its ready Tritons (its DNS cache's TTL) and healthy at priority 1, the held
+    sequences' calls still sum right, and end. Without the retry priority: Triton's START
+    refusal once the TTL had passed."""
+    pods = _tritons(cluster)
+    victim = pods[-1]
+    victim_ip = cluster.pod_ip(victim)
+    mark = cluster.line_index()
+    client = tc.InferenceServerClient(cluster.grpc_url)
+    sums: dict[int, int] = {}
+    on_victim: list[int] = []
+    wrong: list[str] = []
+
+    def step(sequence: int, start: bool = False, end: bool = False) -> None:
+        tensor = tc.InferInput("INPUT", [1, 1], "INT32")
+        tensor.set_data_from_numpy(np.array([[1]], np.int32))
+        sums[sequence] = sums.get(sequence, 0) + 1
+        try:
+            got = int(client.infer("sequence_sum", [tensor], sequence_id=sequence,
+                                   sequence_start=start, sequence_end=end)
+                      .as_numpy("OUTPUT")[0][0])
+        except InferenceServerException as error:
+            wrong.append(f"sequence {sequence}: {error}")
+            return
+        if got != sums[sequence]:
+            wrong.append(f"sequence {sequence}: {got}, not {sums[sequence]}")
+
+    try:
+        sequence = 4000
+        while len(on_victim) < 3:
+            assert sequence < 4060, "60 STARTs and none on the pod to delete"
+            before = _sequence_calls(victim_ip)
+            step(sequence, start=True)
+            if _sequence_calls(victim_ip) > before:
+                on_victim.append(sequence)
+            sequence += 1
+        cluster.delete(victim)
+        cluster.wait_for(rf"\[cluster\] {victim}: deleted", 30, after=mark)
+        rounds = 0
+
+        def gone_from_the_ready(then_rounds: int) -> object:
+            """Rounds of the held sequences' calls until no gateway lists the pod as ready
+            (the DNS cache's TTL, Envoy's refresh), while every one lists it healthy at
+            priority 1; then `then_rounds` more."""
+            nonlocal rounds
+            for held in on_victim:
+                step(held)
+            rounds += 1
+            if wrong:
+                raise AssertionError(f"after {rounds} rounds: {wrong[:3]}")
+            views = {g: (cluster.envoy_hosts(g, "triton", 0).get(victim_ip),
+                         cluster.envoy_hosts(g, "triton", 1).get(victim_ip))
+                     for g in cluster.ready_pods("gateway")}
+            if any(ready is not None for ready, _ in views.values()):
+                return f"still ready in {views}"
+            if any(leaving != [] for _, leaving in views.values()):
+                return f"not healthy as leaving in {views}"
+            return then_rounds <= 0 or gone_from_the_ready(then_rounds - 1)
+
+        until(f"every gateway to list {victim} as leaving only", lambda: gone_from_the_ready(5),
+              60, every_s=0.05)
+        for held in on_victim:
+            step(held, end=True)
+    finally:
+        client.close()
+    print(f"{victim} deleted holding sequences {on_victim}: {rounds} rounds after, {wrong[:3]}")
+    assert not wrong, wrong[:5]
 
 
 # Last in this file (its pod is gone for good until its owner replaces it).
