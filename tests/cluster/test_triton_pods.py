@@ -19,6 +19,7 @@ from tritonclient.utils import InferenceServerException
 
 from local_stack.cluster import manifests
 from local_stack.triton_inputs import simple_inputs
+from tests.gateway.test_sequences import _call as _sequence_call
 from tests.support.cluster import OWN_CONNECTION, Cluster, under_load, until
 
 # The gateway's answer when no Triton is ready (gateway/envoy.yaml's local reply, in the words
@@ -263,12 +264,13 @@ def test_a_triton_refusing_connections_leaves_rotation(cluster: Cluster) -> None
     until("it to be healthy again", lambda: _healthy_everywhere(cluster, [ip]), 120, every_s=1)
 
 
-def _successes(pod_ip: str) -> float:
-    """Inferences this Triton has answered (its own metrics)."""
+def _successes(pod_ip: str, model: str | None = None) -> float:
+    """Inferences this Triton has answered (its own metrics), of `model` or of every model."""
     with urllib.request.urlopen(f"http://{pod_ip}:8002/metrics", timeout=5) as response:
         text = response.read().decode()
+    prefix = "nv_inference_request_success{" + ("" if model is None else f'model="{model}"')
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("nv_inference_request_success{"))
+               if line.startswith(prefix))
 
 
 def test_a_triton_pod_deleted_under_load_fails_no_call(cluster: Cluster) -> None:
@@ -300,14 +302,6 @@ def test_a_triton_pod_deleted_under_load_fails_no_call(cluster: Cluster) -> None
     assert timings["first calls after ready"] < cluster.built_dns_ttl + 2 + 3
 
 
-def _sequence_calls(pod_ip: str) -> float:
-    """Calls of the model sequence_sum this Triton has run (its own metrics)."""
-    with urllib.request.urlopen(f"http://{pod_ip}:8002/metrics", timeout=5) as response:
-        text = response.read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith('nv_inference_request_success{model="sequence_sum"'))
-
-
 def test_a_gpu_pod_deleted_keeps_serving_its_live_sequences_while_it_drains(
         cluster: Cluster) -> None:
     """kubectl delete pod (a drain) while sequences run through the Service IP: the pod leaves
@@ -328,13 +322,9 @@ def test_a_gpu_pod_deleted_keeps_serving_its_live_sequences_while_it_drains(
     wrong: list[str] = []
 
     def step(sequence: int, start: bool = False, end: bool = False) -> None:
-        tensor = tc.InferInput("INPUT", [1, 1], "INT32")
-        tensor.set_data_from_numpy(np.array([[1]], np.int32))
         sums[sequence] = sums.get(sequence, 0) + 1
         try:
-            got = int(client.infer("sequence_sum", [tensor], sequence_id=sequence,
-                                   sequence_start=start, sequence_end=end)
-                      .as_numpy("OUTPUT")[0][0])
+            got = _sequence_call(client, sequence, 1, start, end)
         except InferenceServerException as error:
             wrong.append(f"sequence {sequence}: {error}")
             return
@@ -345,9 +335,9 @@ def test_a_gpu_pod_deleted_keeps_serving_its_live_sequences_while_it_drains(
         sequence = 4000
         while len(on_victim) < 3:
             assert sequence < 4060, "60 STARTs and none on the pod to delete"
-            before = _sequence_calls(victim_ip)
+            before = _successes(victim_ip, "sequence_sum")
             step(sequence, start=True)
-            if _sequence_calls(victim_ip) > before:
+            if _successes(victim_ip, "sequence_sum") > before:
                 on_victim.append(sequence)
             sequence += 1
         cluster.delete(victim)
