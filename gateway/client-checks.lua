@@ -344,7 +344,7 @@ function envoy_on_request(handle)
   end
   local grpc = request_path == JOB_START_GRPC
   if grpc or request_path == JOB_START_HTTP then
-    local reason = gate_closed(handle)
+    local reason = gate_closed()
     if reason ~= nil then
       refuse_job_start(handle, grpc, reason)
       return
@@ -363,7 +363,7 @@ function envoy_on_request(handle)
   if HOLD_S > 0 and not held_until_ready(handle, job_start == "grpc") then
     -- Answered here, whole: envoy_on_response leaves this answer as it is.
     handle:streamInfo():dynamicMetadata():set("sonic-ray", "job-start", "answered")
-    local why, retry_s = no_triton_now(handle)
+    local why, retry_s = no_triton_now()
     why = why .. "; held " .. HOLD_S .. " s (SONIC_RAY_HOLD_S)"
     local message = job_start_refusal(why, retry_s)
     if job_start == "grpc" then

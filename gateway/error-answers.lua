@@ -38,9 +38,8 @@ function envoy_on_response(handle)
       headers:replace("grpc-message", message .. "; retry in " .. RETRY_AFTER_S .. " s")
       headers:add("grpc-retry-pushback-ms", tostring(math.floor(RETRY_AFTER_S * 1000)))
     elseif message:find(NO_TRITON, 1, true) then
-      -- Asking the control plane may wait: the headers are asked for again after.
-      local why, retry_s = no_triton_now(handle)
-      local answered = handle:headers()
+      local why, retry_s = no_triton_now()
+      local answered = headers
       local meta = handle:streamInfo():dynamicMetadata():get("sonic-ray")
       if meta ~= nil and meta["job-start"] == "grpc" then
         answered:replace("grpc-status", tostring(GATE_STATUS))
@@ -63,7 +62,7 @@ function envoy_on_response(handle)
       answered:replace(":status", "429")
       answered:add("retry-after", tostring(math.ceil(RETRY_AFTER_S)))
     elseif text:find(NO_TRITON, 1, true) then
-      local why, retry_s = no_triton_now(handle)
+      local why, retry_s = no_triton_now()
       local message = why .. "; retry in about " .. retry_s .. " s"
       if job_start == "http" then
         message = job_start_refusal(why, retry_s)

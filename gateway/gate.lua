@@ -2,7 +2,7 @@
 -- runs on job starts and, where a site checks callers, on every call, and by
 -- gateway/error-answers.lua, which runs only on error answers): the admission settings of
 -- the `admission` ConfigMap (gateway/admission.env), the control plane's word on the GPUs
--- (serve/triton_pod/admission.py, asked at most once a second per worker and filter) and
+-- (serve/triton_pod/admission.py, as gateway/gate-word.sh last wrote it) and
 -- the words of the gateway's own answers. gateway/start.sh puts this folder on LUA_PATH.
 local GRPC_CODES = {CANCELLED = 1, UNKNOWN = 2, INVALID_ARGUMENT = 3, DEADLINE_EXCEEDED = 4,
                     NOT_FOUND = 5, ALREADY_EXISTS = 6, PERMISSION_DENIED = 7,
@@ -56,37 +56,35 @@ end
 -- Triton to send a call to (envoy.yaml, local_reply_config).
 local QUEUE_FULL = "Exceeds maximum queue size"
 local NO_TRITON = "no Triton is ready"
-local REFRESH_S = 1
--- The control plane's last answer: its state, its reason, when it was made (os.time()) and
--- for how long GPU pods had then been on their way (nil: none was missing).
+-- The control plane's last word: its state, its reason, when it was made (os.time()) and for
+-- how long GPU pods had then been on their way (nil: none was missing). gateway/gate-word.sh
+-- beside Envoy writes it to this file once a second (gateway/start.sh names the file): its
+-- first line the second it was fetched at, then the control plane's answer. Read on each job
+-- start and error answer, never asked for from a request; Envoy started without start.sh has
+-- none, and the stale rule applies.
+local WORD_FILE = os.getenv("SONIC_RAY_GATE_WORD")
 local gate = {state = nil, reason = "", made_at = nil, starting_for_s = nil}
-local asked_at = -REFRESH_S
-local asking_since = nil
 
-local function ask_control_plane(handle, now)
-  -- One question at a time per worker; a stream reset while waiting never resumes, so an
-  -- old question stops counting after two refresh periods.
-  if now - asked_at < REFRESH_S then return end
-  if asking_since ~= nil and now - asking_since < 2 * REFRESH_S then return end
-  asked_at, asking_since = now, now
-  local headers, body = handle:httpCall("control-plane", {
-    [":method"] = "GET", [":path"] = "/admission", [":authority"] = "control-plane"
-  }, nil, 100)
-  asking_since = nil
-  if headers == nil or headers[":status"] ~= "200" or body == nil then return end
-  local state = body:match('"state": *"(%a+)"')
-  local age = tonumber(body:match('"age_s": *([%d%.]+)') or "")
-  if (state == "open" or state == "closed") and age ~= nil then
-    gate.state, gate.made_at = state, now - age
-    gate.reason = body:match('"reason": *"([^"]*)"') or ""
-    gate.starting_for_s = tonumber(body:match('"starting_for_s": *([%d%.]+)') or "")
+local function read_word()
+  if WORD_FILE == nil or WORD_FILE == "" then return end
+  local file = io.open(WORD_FILE, "r")
+  if file == nil then return end
+  local text = file:read("*a") or ""
+  file:close()
+  local fetched_at = tonumber(text:match("^(%d+)\n") or "")
+  local state = text:match('"state": *"(%a+)"')
+  local age = tonumber(text:match('"age_s": *([%d%.]+)') or "")
+  if fetched_at ~= nil and (state == "open" or state == "closed") and age ~= nil then
+    gate.state, gate.made_at = state, fetched_at - age
+    gate.reason = text:match('"reason": *"([^"]*)"') or ""
+    gate.starting_for_s = tonumber(text:match('"starting_for_s": *([%d%.]+)') or "")
   end
 end
 
 -- Why a job should not start here now, or nil.
-local function gate_closed(handle)
+local function gate_closed()
   local now = os.time()
-  ask_control_plane(handle, now)
+  read_word()
   if gate.made_at ~= nil and now - gate.made_at <= STALE_S then
     if gate.state == "closed" then return gate.reason end
     return nil
@@ -104,9 +102,9 @@ local function job_start_refusal(reason, retry_s)
 end
 
 -- With no Triton ready: whether a GPU pod is on its way, and in how many seconds to retry.
-local function no_triton_now(handle)
+local function no_triton_now()
   local now = os.time()
-  ask_control_plane(handle, now)
+  read_word()
   if gate.made_at ~= nil and now - gate.made_at <= STALE_S and gate.starting_for_s ~= nil then
     local waited = math.floor(gate.starting_for_s + now - gate.made_at)
     local left = math.max(RETRY_AFTER_S, math.ceil(GPU_POD_START_S - waited))

@@ -12,6 +12,7 @@
 #   certificates (components/mtls), which name every caller, so the checks run on every call;
 #   any other value stops the start.
 # * LUA_PATH: both Lua filters require gateway/gate.lua, which lies beside this file.
+# * The control plane's word for the gate, fetched beside Envoy (gateway/gate-word.sh).
 # * The access log written out every second (Envoy's default is every 10 s): a call's line is
 #   in `kubectl logs` a second after it ended, not ten.
 set -eu
@@ -41,5 +42,10 @@ else
     "(components/mtls runs them on every call)" >&2
 fi
 echo "[gateway] client listeners ${transport:-speak TLS only (SONIC_RAY_TLS=${SONIC_RAY_TLS:-})}" >&2
+# The control plane's word on the GPUs, for the gate (gateway/gate.lua): gateway/gate-word.sh
+# fetches it once a second while Envoy ($$ after the exec below) runs, into a file of this
+# process's own.
+export SONIC_RAY_GATE_WORD="${TMPDIR:-/tmp}/sonic-ray-gate-word.$$"
+bash "$here/gate-word.sh" "$$" &
 exec "${ENVOY:-envoy}" "$@" --file-flush-interval-msec 1000 --config-yaml \
   "{layered_runtime: {layers: [{name: site, static_layer: {sonic_ray.calls_unchecked: $unchecked, sonic_ray.tls_server: $tls_server, sonic_ray.tls_mutual: $tls_mutual}}]}}"

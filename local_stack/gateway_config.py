@@ -95,10 +95,11 @@ def _with_jwks_provider(config: dict[str, Any], settings: Settings) -> None:
 def gateway_env(s: Settings, admin_key: str) -> dict[str, str]:
     """Envoy's environment: the admission and front-door settings its Lua reads, the admin
     key it adds to the restricted RPCs that pass (gateway/envoy.yaml), and the client listeners'
-    transport as components/tls and components/mtls set it (gateway/start.sh)."""
+    transport as components/tls and components/mtls set it (gateway/start.sh), and the metrics
+    listener's port, where gateway/gate-word.sh asks the control plane's word."""
     mode = tls.MODE_BY_COMPONENT["mtls" if s.mtls else "tls"] if s.tls else ""
     return {**os.environ, **s.admission_env(), **s.front_door_env(), ADMIN_KEY_ENV: admin_key,
-            tls.TLS_ENV: mode}
+            tls.TLS_ENV: mode, "GATEWAY_METRICS_PORT": str(s.gateway_metrics_port)}
 
 
 def write_token_checks(s: Settings, path: Path) -> str | None:

@@ -58,17 +58,17 @@ RETRY_AFTER_S = 1
 # Serve's autoscaling at test speed; min = max: the facility runs max_replicas.
 AUTOSCALING = {"metrics_interval_s": 0.5, "look_back_period_s": 2, "upscale_delay_s": 1,
                "downscale_delay_s": 4, "min_replicas": TRITONS, "max_replicas": TRITONS}
-GATEWAY_LUA = gateway.HERE / "gate.lua"
+GATE_WORD = gateway.HERE / "gate-word.sh"
 
 
 def gateway_refresh_s() -> int:
-    """How often the gateway asks the control plane (REFRESH_S in gateway/gate.lua,
-    its home)."""
-    return one_number(GATEWAY_LUA, r"^local REFRESH_S = (\d+)$")
+    """How often the gateway fetches the control plane's word (every_s in
+    gateway/gate-word.sh, its home)."""
+    return one_number(GATE_WORD, r"^every_s=(\d+)$")
 
 
 # How long the gateway's word lags the load: Serve's look-back and metrics interval, then the
-# gateway's next question.
+# gateway's next fetch.
 SIGNAL_LAG_S = (AUTOSCALING["look_back_period_s"] + AUTOSCALING["metrics_interval_s"]
                 + gateway_refresh_s())
 # How soon the gate opens again once the load is gone: the signal's lag, the policy's next

@@ -1,6 +1,7 @@
 """The start-of-job gate's signal: whether the facility is saturated, as the control plane
-knows it, answered to the gateway (gateway/client-checks.lua asks before it lets a
-RepositoryIndex through, at most once a second per Envoy worker; no call waits on Prometheus).
+knows it, answered to the gateway (gateway/gate-word.sh fetches it once a second per gateway
+pod, and gateway/gate.lua reads it before a RepositoryIndex passes; no call waits on it, nor
+on Prometheus).
 
 Saturated means Triton's queue time per execution, averaged over the replicas, is above the
 site's hard limit while no more replicas may be added (max_replicas). The autoscaling policy
@@ -129,7 +130,7 @@ class Admission:
                 self.wfile.write(body)
 
             def log_message(self, format: str, *args: object) -> None:
-                pass  # one GET a second per gateway worker: not worth a log line
+                pass  # one GET a second per gateway pod: not worth a log line
 
         return Handler
 

@@ -9,9 +9,11 @@ stops the real control plane under the shipped rule."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -33,9 +35,10 @@ THE_WORD, STALE, PASSED = SATURATED, "missing or older than 3 s", "no Triton is 
 
 
 class Gateway:
-    def __init__(self, url: str, answer: dict[str, Any]) -> None:
+    def __init__(self, url: str, answer: dict[str, Any], asked: list[float]) -> None:
         self.url = url
         self.answer = answer
+        self.asked = asked  # when the control plane was asked (time.monotonic())
 
     def says(self, answer: dict[str, Any], words: str) -> None:
         """Has the control plane answer `answer` until a job start hears `words` (the gateway
@@ -60,8 +63,10 @@ def lone_gateway(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
     rule = request.param
     tmp_path = tmp_path_factory.mktemp(f"gate-{rule}")
     answer: dict[str, Any] = {}
+    asked: list[float] = []
 
     def control_plane_answer(_: str, path: str) -> bytes:
+        asked.append(time.monotonic())
         if answer.get("silent"):
             time.sleep(SILENT_S)
         return json.dumps(answer).encode()
@@ -87,7 +92,7 @@ def lone_gateway(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
                 return got.status != "StatusCode.UNAVAILABLE" or got
 
             until("Envoy to answer", answers, 30)
-            yield rule, Gateway(url, answer)
+            yield rule, Gateway(url, answer, asked)
         finally:
             terminate(envoy, grace_s=5)
 
@@ -120,6 +125,55 @@ def test_a_silent_control_plane_counts_as_the_rule_says(lone_gateway: tuple[str,
     # No answer within the gateway's wait: its last word ages until it is stale.
     gate.says({"state": "closed", "reason": SATURATED, "age_s": 0.2, "silent": True},
               PASSED if rule == "open" else STALE)
+
+
+def test_the_word_comes_beside_envoy_while_no_call_comes(lone_gateway: tuple[str, Gateway],
+                                                          ) -> None:
+    """The control plane is asked once a second by gateway/gate-word.sh, not from a call: no
+    job start waits on it, and none is needed for the word to stay fresh."""
+    _, gate = lone_gateway
+    gate.says({"state": "closed", "reason": SATURATED, "age_s": 0.2}, THE_WORD)
+    since = len(gate.asked)
+    until("the control plane to be asked 3 times with no call made",
+          lambda: len(gate.asked) >= since + 3 or len(gate.asked) - since, 10)
+    # The word fetched meanwhile is the one the next job start hears.
+    gate.says({"state": "open", "reason": "", "age_s": 0.2}, PASSED)
+
+
+def test_the_fetcher_writes_each_answer_after_its_second_and_ends_with_envoy(
+        tmp_path: Path) -> None:
+    """gateway/gate-word.sh alone, against a stand-in for Envoy's metrics listener: the file
+    holds the second of the fetch, then the answer; when the answers stop it says so once and
+    leaves the last word to age; once its Envoy (here a stand-in process) is gone, the fetcher
+    ends and takes its file with it."""
+    word, said = tmp_path / "word", tmp_path / "said"
+    body = {"state": "closed", "reason": SATURATED, "age_s": 0.5, "starting_for_s": None}
+    envoy = subprocess.Popen(["sleep", "60"])
+    try:
+        with serving(lambda _, path: json.dumps(body).encode() if path == "/admission"
+                     else b"") as port, open(said, "wb") as out:
+            fetcher = subprocess.Popen(
+                ["bash", str(gateway.HERE / "gate-word.sh"), str(envoy.pid)], stderr=out,
+                env={**os.environ, "SONIC_RAY_GATE_WORD": str(word),
+                     "GATEWAY_METRICS_PORT": str(port)})
+            until("the word written", lambda: word.exists() or "no file yet", 10)
+        fetched_at, answer = word.read_text().split("\n", 1)
+        assert abs(int(fetched_at) - time.time()) < 5, fetched_at
+        assert json.loads(answer) == body
+        until("the fetcher to say the word stopped coming",
+              lambda: "stopped coming (no answer)" in said.read_text() or said.read_text(), 10)
+        assert word.read_text().startswith(fetched_at + "\n")
+        envoy.kill()
+        envoy.wait()
+        until("the fetcher to end with its Envoy", lambda: fetcher.poll() is not None, 10)
+        assert not word.exists() and not word.with_name("word.new").exists()
+        lines = said.read_text().splitlines()
+        assert [line.split(" (")[0] for line in lines] == [
+            "[gateway] the control plane's word on the GPUs comes",
+            "[gateway] the control plane's word stopped coming"], lines
+    finally:
+        envoy.kill()
+        envoy.wait()
 
 
 # Every test here starts processes (make unit leaves them out: tests/conftest.py).
