@@ -6,7 +6,7 @@ rewrites the block between the markers, and the checks refuse a config whose rou
 so both data paths refuse the same calls with the same words. Its retries and its retry
 priority's update frequency are written from the Serve config's max_replicas
 (sequence_retries, ready_pods): a sequence's call reaches every ready GPU pod, then every
-leaving one that holds live sequences.
+pod out of the ready ones that holds live sequences.
 
     python -m gateway.routes [--check]
 """
@@ -119,12 +119,13 @@ def ready_pods(serve_config: dict[str, Any]) -> int | None:
 def sequence_retries(serve_config: dict[str, Any]) -> int:
     """The retries of the gateway's retry policies: enough for a sequence's call to try as many
     ready pods as the Serve config allows (max_replicas, the retry priority's update frequency:
-    ready_pods) and then every other pod, one of which may be leaving with the sequence
-    (2 x max_replicas - 2 retries), and never fewer than 3 (a call no Triton ran, on another
-    Triton); no more, since each retry of a refused call is another Triton's work (a malformed
-    HTTP inference is refused by each Triton tried)."""
+    ready_pods) and then as many pods out of the ready ones, any of which may hold the
+    sequence (a scale-down's leaving pods, or all of an upgrade's old cluster: 2 x
+    max_replicas tries, 2 x max_replicas - 1 retries), and never fewer than 3 (a call no
+    Triton ran, on another Triton); no more, since each retry of a refused call is another
+    Triton's work (a malformed HTTP inference is refused by each Triton tried)."""
     pods = ready_pods(serve_config)
-    return MIN_RETRIES if pods is None else max(MIN_RETRIES, 2 * pods - 2)
+    return MIN_RETRIES if pods is None else max(MIN_RETRIES, 2 * pods - 1)
 
 
 def render(text: str, allowed: list[str], retries: int = 0, pods: int | None = None) -> str:

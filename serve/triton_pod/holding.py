@@ -3,15 +3,18 @@ pod's replica (a scale-down), the pod leaves the gateway's ready Tritons, but it
 the state of the sequences it started and no other Triton can run their later calls. The
 gateway lists every worker pod a second time, at priority 1 (gateway/envoy.yaml, the Triton
 clusters; gateway/gateway.yaml's `triton-all-pods`), health-checked on this pod's holding
-ports, which answer healthy only while the replica is leaving and its Triton holds a live
-sequence; a call of such a sequence that the ready Tritons refused gets there. A sequence is
-live while its model ran a call within the model's `max_sequence_idle_microseconds` (after
-that Triton itself drops it): Triton's statistics say when each model last ran one."""
+ports, which answer healthy only while the pod is out of the ready ones (its replica
+leaving, or the ready pods' Service no longer listing it: a NewCluster upgrade's old cluster
+after KubeRay's switch) and its Triton holds a live sequence; a call of such a sequence that
+the ready Tritons refused gets there. A sequence is live while its model ran a call within
+the model's `max_sequence_idle_microseconds` (after that Triton itself drops it): Triton's
+statistics say when each model last ran one."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
 from concurrent import futures
 from dataclasses import dataclass, field
@@ -58,18 +61,38 @@ def live_sequence_models(stats: dict[str, Any], idle_s: dict[str, float],
     return sorted(live)
 
 
+def listed(service: str) -> bool | None:
+    """Whether `service` (the ready pods' headless Service) resolves to an address of this host
+    (one a socket can bind: the pod's own); None when the name does not resolve (make local
+    has no such name; DNS down), which counts as listed."""
+    try:
+        infos = socket.getaddrinfo(service, None, socket.AF_INET, socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError):
+        return None
+    for address in sorted({str(info[4][0]) for info in infos}):
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            try:
+                probe.bind((address, 0))
+            except OSError:
+                continue
+            return True
+    return False
+
+
 @dataclass
 class Holding:
-    """Whether this pod is leaving, and the models whose sequences its Triton holds live."""
+    """Whether this pod is out of the ready ones (its replica leaving, or the ready pods'
+    Service not listing it), and the models whose sequences its Triton holds live."""
 
     leaving: bool = False
+    unlisted: bool = False
     live: list[str] = field(default_factory=list)
 
     def verdict(self) -> str | None:
         """None while the gateway should send this pod the calls of its sequences, else why
         not."""
-        if not self.leaving:
-            return "its replica is not leaving (the ready pods take its calls)"
+        if not self.leaving and not self.unlisted:
+            return "its pod is among the ready ones (which take its calls)"
         if not self.live:
             return "its Triton holds no live sequence"
         return None
@@ -131,4 +154,4 @@ class HoldingAnswers:
         await answer_once(reader, writer, answer)
 
 
-__all__ = ["Holding", "HoldingAnswers", "live_sequence_models", "sequence_idle_s"]
+__all__ = ["Holding", "HoldingAnswers", "listed", "live_sequence_models", "sequence_idle_s"]

@@ -32,6 +32,7 @@ from .holding import (
     HOLDING_PORT_ENV,
     Holding,
     HoldingAnswers,
+    listed,
     live_sequence_models,
     sequence_idle_s,
 )
@@ -61,6 +62,8 @@ REPLICAS_AGAIN_S = 2.0
 HANDOVER_S = 2.0
 # How often a leaving replica reads its Triton's statistics again.
 LEAVE_POLL_S = 0.5
+# How often a pod asks whether the ready pods' Service lists it (ready_pods_service).
+LISTING_POLL_S = 1.0
 # A leaving replica waits for its sequences only where a gateway checked its holding ports
 # this recently (gateway/envoy.yaml: every second): on the Serve path nothing would reach it.
 GATEWAY_CHECKED_S = 5.0
@@ -104,6 +107,13 @@ class TritonPodArgs(BaseModel):
     holding_grpc_port: int = Field(
         8105, gt=0, lt=65536,
         description="the same for the gRPC Triton cluster (grpc.health.v1)")
+    ready_pods_service: str = Field(
+        "",
+        description="the ready pods' headless Service (the RayService's spec.serveService, "
+                    "which the gateway resolves; invariant ready-pods-service-named): a pod "
+                    "it no longer lists (a NewCluster upgrade's old cluster) answers healthy "
+                    "on its holding ports while its Triton holds live sequences; empty: only "
+                    "a leaving replica does (make local, which has no such name)")
     leave_wait_s: float = Field(
         45.0, ge=0,
         description="how long a stopping replica waits while its Triton holds live sequences "
@@ -188,6 +198,9 @@ class TritonPod(GrpcForwarding):
         await self._wait_for_triton()
         await self._warm()
         self._watch = asyncio.get_running_loop().create_task(self._watch_triton())
+        if args.ready_pods_service:
+            self._listing = asyncio.get_running_loop().create_task(
+                self._watch_listing(args.ready_pods_service))
 
     def __del__(self) -> Awaitable[None] | None:
         """Serve's stop of this replica: Serve awaits what this returns (its replica wrapper
@@ -228,6 +241,26 @@ class TritonPod(GrpcForwarding):
             logger.info("left holding no live sequence")
         await self._holding_answers.stop()
 
+    async def _watch_listing(self, service: str) -> None:
+        """Whether the ready pods' Service still lists this pod, asked every LISTING_POLL_S:
+        once it does not (KubeRay switched it to a new cluster) while this pod is ready, the
+        gateway sends the calls of its live sequences here (its priority 1), as to a leaving
+        pod's, until they end or go idle; its replica stops later, when KubeRay deletes the
+        cluster, and then waits for them as any leaving replica does."""
+        was_listed = False
+        while True:
+            await asyncio.sleep(LISTING_POLL_S)
+            answer = await asyncio.to_thread(listed, service)
+            unlisted = answer is False
+            if was_listed and unlisted != self._holding.unlisted:
+                logger.info("%s", f"{service} no longer lists this pod: the calls of its live "
+                            "sequences come on its holding ports" if unlisted
+                            else f"{service} lists this pod again")
+            was_listed = was_listed or answer is True
+            self._holding.unlisted = unlisted
+            if unlisted and not self._holding.leaving:
+                await self._update_holding()
+
     async def _update_holding(self) -> None:
         """The sequence models Triton ran a call of within their idle time; what Triton does
         not answer counts as none (a Triton gone holds nothing)."""
@@ -242,8 +275,8 @@ class TritonPod(GrpcForwarding):
             idle = {m: s for m, s in self._idle_s.items() if s is not None}
             self._holding.live = live_sequence_models(stats, idle, time.time())
         except (aiohttp.ClientError, TimeoutError, RuntimeError, ValueError) as error:
-            logger.warning("a leaving replica could not read its Triton's statistics: %s; it "
-                           "holds no live sequence", error)
+            logger.warning("a pod out of the ready ones could not read its Triton's "
+                           "statistics: %s; it holds no live sequence", error)
             self._holding.live = []
 
     async def _triton_says(self, rpc: str, timeout: float) -> str | None:

@@ -317,7 +317,7 @@ def test_the_gateway_config_is_what_make_gateway_config_writes() -> None:
                   ready_pods(serve_config)) == text
 
 
-@pytest.mark.parametrize(("max_replicas", "retries"), [(1, 3), (2, 3), (4, 6), (5, 8), (17, 32)])
+@pytest.mark.parametrize(("max_replicas", "retries"), [(1, 3), (2, 3), (4, 7), (5, 9), (17, 33)])
 def test_the_gateway_retries_as_often_as_pods_allow_and_no_more(max_replicas: int,
                                                                 retries: int) -> None:
     """make gateway-config writes the retries and the retry priority's update frequency from
