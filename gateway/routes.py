@@ -5,8 +5,8 @@ config's args, and the RPC table (serve/triton_pod/rpcs.py): `make gateway-confi
 rewrites the block between the markers, and the checks refuse a config whose routes differ,
 so both data paths refuse the same calls with the same words. Its retries and its retry
 priority's update frequency are written from the Serve config's max_replicas
-(sequence_retries, ready_pods): a sequence's call reaches every ready GPU pod, then every
-pod out of the ready ones that holds live sequences.
+(sequence_retries, tries_per_priority): a sequence's call reaches every ready GPU pod, then
+every pod that holds live sequences.
 
     python -m gateway.routes [--check]
 """
@@ -49,8 +49,9 @@ SEQUENCE_NOT_HELD_HTTP_STATUS = 400
 RETRIES_LINE = re.compile(r"^(\s*num_retries: &retries )\d+( .*)?$", re.M)
 MIN_RETRIES = 3
 # The line that says after how many tries of ready pods a call may go to a leaving one
-# (previous_priorities' update_frequency), written from the Serve config (ready_pods).
-READY_PODS_LINE = re.compile(r"^(\s*update_frequency: &ready-pods )\d+( .*)?$", re.M)
+# (previous_priorities' update_frequency), written from the Serve config (tries_per_priority).
+TRIES_PER_PRIORITY_LINE = re.compile(r"^(\s*update_frequency: &tries-per-priority )\d+( .*)?$",
+                                     re.M)
 
 
 def allowed_admin_rpcs(serve_config: dict[str, Any]) -> list[str]:
@@ -116,26 +117,35 @@ def ready_pods(serve_config: dict[str, Any]) -> int | None:
     return None
 
 
-def sequence_retries(serve_config: dict[str, Any]) -> int:
-    """The retries of the gateway's retry policies: enough for a sequence's call to try as many
-    ready pods as the Serve config allows (max_replicas, the retry priority's update frequency:
-    ready_pods) and then as many pods out of the ready ones, any of which may hold the
-    sequence (a scale-down's leaving pods, or all of an upgrade's old cluster: 2 x
-    max_replicas tries, 2 x max_replicas - 1 retries), and never fewer than 3 (a call no
-    Triton ran, on another Triton); no more, since each retry of a refused call is another
-    Triton's work (a malformed HTTP inference is refused by each Triton tried)."""
+def tries_per_priority(serve_config: dict[str, Any]) -> int | None:
+    """The tries a sequence's call makes at one priority before the retry priority moves on
+    (previous_priorities' update_frequency): twice max_replicas, since priority 1 lists every
+    pod holding live sequences, which in an upgrade may be all of both clusters' pods (the
+    ready ones at priority 0 are fewer: a try beyond them asks one of them again). None when
+    the Serve config names no max_replicas."""
     pods = ready_pods(serve_config)
-    return MIN_RETRIES if pods is None else max(MIN_RETRIES, 2 * pods - 1)
+    return None if pods is None else 2 * pods
 
 
-def render(text: str, allowed: list[str], retries: int = 0, pods: int | None = None) -> str:
+def sequence_retries(serve_config: dict[str, Any]) -> int:
+    """The retries of the gateway's retry policies: enough for a sequence's call to make
+    tries_per_priority tries at the ready pods (priority 0) and as many at the pods holding
+    live sequences (priority 1), 4 x max_replicas tries in all, and never fewer than 3 (a call
+    no Triton ran, on another Triton); no more, since each retry of a refused call is another
+    Triton's work (a malformed HTTP inference is refused by each Triton tried)."""
+    per_priority = tries_per_priority(serve_config)
+    return MIN_RETRIES if per_priority is None else max(MIN_RETRIES, 2 * per_priority - 1)
+
+
+def render(text: str, allowed: list[str], retries: int = 0,
+           per_priority: int | None = None) -> str:
     """The config text with the blocks between the markers written from the allow-list, the
-    retries line (RETRIES_LINE) from `retries` (0: as it is) and the ready pods' line
-    (READY_PODS_LINE) from `pods` (None: as it is)."""
+    retries line (RETRIES_LINE) from `retries` (0: as it is) and the update frequency's line
+    (TRIES_PER_PRIORITY_LINE) from `per_priority` (None: as it is)."""
     if retries:
         text = RETRIES_LINE.sub(rf"\g<1>{retries}\g<2>", text)
-    if pods:
-        text = READY_PODS_LINE.sub(rf"\g<1>{pods}\g<2>", text)
+    if per_priority:
+        text = TRIES_PER_PRIORITY_LINE.sub(rf"\g<1>{per_priority}\g<2>", text)
     lines = text.splitlines(keepends=True)
     lines = _render_block(lines, GRPC_BLOCK, refused_routes(allowed))
     lines = _render_block(lines, HTTP_BLOCK, refused_http_routes(allowed))
@@ -257,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     text = ENVOY_CONFIG.read_text()
     serve_config = yaml.safe_load(SERVE_CONFIG.read_text())
     rendered = render(text, allowed_admin_rpcs(serve_config), sequence_retries(serve_config),
-                      ready_pods(serve_config))
+                      tries_per_priority(serve_config))
     return write_or_check(ENVOY_CONFIG, rendered, argv, __doc__, "make gateway-config")
 
 

@@ -12,7 +12,7 @@ set -u
 . "$(dirname "$0")/envoy-admin.sh"
 
 # The ready pods are priority 0 of each cluster; priority 1 lists every pod again, healthy
-# only while one leaving holds live sequences (gateway/envoy.yaml), so counts are of priority
+# only while its Triton holds live sequences (gateway/envoy.yaml), so counts are of priority
 # 0, read per host from /clusters (each host's health_flags line comes before its priority
 # line). Whether DNS answered: update_success in /stats.
 # ^cluster\.triton(-http)?\.update_success$, percent-encoded

@@ -135,9 +135,6 @@ def local_serve_config(settings: Settings, path: Path | None = None) -> dict[str
     config = with_policy_kwarg(config, "gateway_stats_url",
                                f"http://127.0.0.1:{settings.gateway_metrics_port}/stats/prometheus"
                                if settings.data_path == "gateway" else None)
-    # No Service lists the simulated pods here: the stack's discovery lists the ready ones
-    # (local_stack/stack.py), and a pod out of them is a leaving one.
-    triton_app(config)[0].setdefault("args", {})["ready_pods_service"] = ""
     if "prewarm_dir" in policy_kwargs(triton_app(config)[1]):
         if settings.prewarm_dir is None:
             raise ValueError("the Serve config reads a pre-warm request "

@@ -669,7 +669,7 @@ def extract(rayservice: dict[str, Any], stream: list[dict[str, Any]] | None = No
         short = [f"{listener}: " + ("no retry policy tries it on another Triton" if tries is None
                                     else f"{tries} Tritons at most")
                  for listener, tries in gateway.sequence_tries.items()
-                 if tries is None or (isinstance(pods, int) and tries < 2 * pods)]
+                 if tries is None or (isinstance(pods, int) and tries < 4 * pods)]
         facts.put("sequenceCallsShort", short,
                   f"{gateway.source} listeners' retry_policy.num_retries (a sequence's call) "
                   f"against {serve.app_path}.deployments[0].autoscaling_config.max_replicas "
@@ -679,16 +679,6 @@ def extract(rayservice: dict[str, Any], stream: list[dict[str, Any]] | None = No
             _gateway(stream or [])[1], stream or [], rayservice, serve.config, gateway.source),
             f"{gateway.source} clusters' priority 1, the Service it resolves and "
             f"{serve.app_path} (args, graceful_shutdown_timeout_s)")
-    serve_service = str(((spec.get("serveService") or {}).get("metadata") or {}).get("name")
-                        or "")
-    if gateway is not None and serve_service:
-        app, _, app_path = triton_app(serve.config)
-        named = (app.get("args") or {}).get(
-            "ready_pods_service", TritonPodArgs.model_fields["ready_pods_service"].default)
-        facts.put("readyPodsServiceUnnamed", [] if named == serve_service else [str(named)],
-                  f"RayService {(rayservice.get('metadata') or {}).get('name')} "
-                  f"{app_path}.args.ready_pods_service {named!r} against "
-                  f"spec.serveService.metadata.name {serve_service!r}")
     if gateway is not None:
         # KubeRay names a RayService's head Service after it (v1.7.0: <name>-head-svc), the
         # same for every cluster it makes; a namePrefix or nameSuffix renames the RayService.

@@ -1,6 +1,8 @@
-"""What the gateway sees, read from every gateway pod's own Prometheus stats (the headless
-Service `gateway-metrics`, gateway/gateway.yaml, resolves to each pod): how many Tritons it
-balances over, and whether calls come.
+"""What the gateway sees, read from every gateway pod's metrics listener (the headless Service
+`gateway-metrics`, gateway/gateway.yaml, resolves to each pod): how many Tritons it balances
+over (its admin interface's /clusters: the ready pods, priority 0 of its Triton cluster; the
+pods holding live sequences are listed again at priority 1, so the cluster's own healthy
+count would count those twice), and whether calls come (its Prometheus stats).
 
 - The healthy Tritons: during a KubeRay upgrade those are the old Ray cluster's GPU pods, and
   the new cluster's autoscaling policy holds that many as its floor until it runs them
@@ -22,7 +24,9 @@ import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 
-HEALTHY_METRIC = "envoy_cluster_membership_healthy"
+# The admin interface's host list, which the metrics listener passes (gateway/envoy.yaml's
+# `metrics` routes): per host its health_flags line, then its priority line.
+CLUSTERS_PATH = "/clusters"
 # The gateway's gRPC cluster of Tritons (gateway/envoy.yaml, gateway.routes.GRPC_CLUSTER).
 TRITON_CLUSTER = "triton"
 REQUESTS_METRIC = "envoy_http_downstream_rq_total"
@@ -42,16 +46,13 @@ def _value(line: str) -> float:
     return float(line.rsplit(" ", 1)[1])
 
 
-def pod_stats(text: str, cluster: str = TRITON_CLUSTER) -> PodStats:
-    """One Envoy's healthy hosts of `cluster` (None if absent), and the requests received and
-    in flight on the clients' listeners, from its Prometheus text."""
-    healthy: int | None = None
+def pod_stats(text: str, healthy: int | None = None) -> PodStats:
+    """One Envoy's requests received and in flight on the clients' listeners, from its
+    Prometheus text, with its `healthy` Tritons (ready_tritons)."""
     requests = active = 0.0
     labels = {f'envoy_http_conn_manager_prefix="{name}"' for name in CLIENT_LISTENERS}
     for line in text.splitlines():
-        if line.startswith(HEALTHY_METRIC + "{") and f'envoy_cluster_name="{cluster}"' in line:
-            healthy = int(_value(line))
-        elif line.startswith((REQUESTS_METRIC + "{", ACTIVE_METRIC + "{")) and any(
+        if line.startswith((REQUESTS_METRIC + "{", ACTIVE_METRIC + "{")) and any(
                 label in line for label in labels):
             if line.startswith(REQUESTS_METRIC):
                 requests += _value(line)
@@ -60,9 +61,24 @@ def pod_stats(text: str, cluster: str = TRITON_CLUSTER) -> PodStats:
     return PodStats(healthy, requests, active)
 
 
-def healthy_hosts(text: str, cluster: str = TRITON_CLUSTER) -> int | None:
-    """The healthy hosts of one Envoy cluster in Envoy's Prometheus text; None if absent."""
-    return pod_stats(text, cluster).healthy
+def ready_tritons(text: str, cluster: str = TRITON_CLUSTER) -> int | None:
+    """The healthy hosts at priority 0 of one Envoy cluster (the ready pods) in the admin
+    interface's /clusters text; None if the cluster is absent. A host's two copies (priority
+    0 and 1) share their address, so each health_flags line counts with the priority line
+    that follows it."""
+    present = False
+    flags = ""
+    healthy = 0
+    for line in text.splitlines():
+        parts = line.split("::")
+        if parts[0] != cluster:
+            continue
+        present = True
+        if len(parts) == 4 and parts[2] == "health_flags":
+            flags = parts[3].strip()
+        elif len(parts) == 4 and parts[2] == "priority":
+            healthy += parts[3].strip() == "0" and flags == "healthy"
+    return healthy if present else None
 
 
 @dataclass(frozen=True)
@@ -125,11 +141,15 @@ class GatewayView:
         for address in self._addresses():
             netloc = f"{address}:{parts.port}" if parts.port else address
             url = urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+            hosts = urllib.parse.urlunsplit(parts._replace(netloc=netloc, path=CLUSTERS_PATH,
+                                                           query=""))
+            with urllib.request.urlopen(hosts, timeout=self.timeout_s) as response:
+                healthy = ready_tritons(response.read().decode())
             with urllib.request.urlopen(url, timeout=self.timeout_s) as response:
-                pods[address] = pod_stats(response.read().decode())
+                pods[address] = pod_stats(response.read().decode(), healthy)
         counts = [s.healthy for s in pods.values() if s.healthy is not None]
         if not counts:
-            self.error = f"{self.url} has no {HEALTHY_METRIC} of {TRITON_CLUSTER}"
+            self.error = f"{self.url}: its {CLUSTERS_PATH} lists no cluster {TRITON_CLUSTER}"
             return
         before, self._pods = self._pods, pods
         # The first poll has no interval: what is in flight is all it knows.

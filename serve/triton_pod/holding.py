@@ -1,20 +1,20 @@
-"""A leaving pod's live sequences (docs/data-paths.md, "Sequences"): when Serve stops this
-pod's replica (a scale-down), the pod leaves the gateway's ready Tritons, but its Triton holds
-the state of the sequences it started and no other Triton can run their later calls. The
-gateway lists every worker pod a second time, at priority 1 (gateway/envoy.yaml, the Triton
-clusters; gateway/gateway.yaml's `triton-all-pods`), health-checked on this pod's holding
-ports, which answer healthy only while the pod is out of the ready ones (its replica
-leaving, or the ready pods' Service no longer listing it: a NewCluster upgrade's old cluster
-after KubeRay's switch) and its Triton holds a live sequence; a call of such a sequence that
-the ready Tritons refused gets there. A sequence is live while its model ran a call within
-the model's `max_sequence_idle_microseconds` (after that Triton itself drops it): Triton's
-statistics say when each model last ran one."""
+"""A pod's live sequences (docs/data-paths.md, "Sequences"): its Triton holds the state of
+the sequences it started and no other Triton can run their later calls, so a pod out of the
+gateway's ready Tritons (its replica leaving in a scale-down, or a NewCluster upgrade's old
+cluster once KubeRay switched the ready pods' Service) must still get them. The gateway lists
+every worker pod a second time, at priority 1 (gateway/envoy.yaml, the Triton clusters;
+gateway/gateway.yaml's `triton-all-pods`), health-checked on this pod's holding ports, which
+answer healthy while its Triton holds a live sequence, whether or not the pod is among the
+ready ones: so it is healthy there before it leaves them, however the gateway learns that it
+left (a replica cannot know before the gateway does when a Service stops listing its pod);
+a call of such a sequence that the ready Tritons refused gets there. A sequence is live while
+its model ran a call within the model's `max_sequence_idle_microseconds` (after that Triton
+itself drops it): Triton's statistics say when each model last ran one."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import time
 from concurrent import futures
 from dataclasses import dataclass, field
@@ -61,38 +61,18 @@ def live_sequence_models(stats: dict[str, Any], idle_s: dict[str, float],
     return sorted(live)
 
 
-def listed(service: str) -> bool | None:
-    """Whether `service` (the ready pods' headless Service) resolves to an address of this host
-    (one a socket can bind: the pod's own); None when the name does not resolve (make local
-    has no such name; DNS down), which counts as listed."""
-    try:
-        infos = socket.getaddrinfo(service, None, socket.AF_INET, socket.SOCK_STREAM)
-    except (socket.gaierror, UnicodeError):
-        return None
-    for address in sorted({str(info[4][0]) for info in infos}):
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            try:
-                probe.bind((address, 0))
-            except OSError:
-                continue
-            return True
-    return False
-
-
 @dataclass
 class Holding:
-    """Whether this pod is out of the ready ones (its replica leaving, or the ready pods'
-    Service not listing it), and the models whose sequences its Triton holds live."""
+    """Whether this pod's replica is leaving, and the models whose sequences its Triton holds
+    live."""
 
     leaving: bool = False
-    unlisted: bool = False
     live: list[str] = field(default_factory=list)
 
     def verdict(self) -> str | None:
-        """None while the gateway should send this pod the calls of its sequences, else why
-        not."""
-        if not self.leaving and not self.unlisted:
-            return "its pod is among the ready ones (which take its calls)"
+        """None while the gateway may send this pod the calls of its sequences at priority 1,
+        else why not. A ready pod's healthy copy there takes no call that the ready ones did
+        not refuse first (the retry policies' previous_priorities)."""
         if not self.live:
             return "its Triton holds no live sequence"
         return None
@@ -154,4 +134,4 @@ class HoldingAnswers:
         await answer_once(reader, writer, answer)
 
 
-__all__ = ["Holding", "HoldingAnswers", "listed", "live_sequence_models", "sequence_idle_s"]
+__all__ = ["Holding", "HoldingAnswers", "live_sequence_models", "sequence_idle_s"]

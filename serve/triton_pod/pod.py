@@ -32,7 +32,6 @@ from .holding import (
     HOLDING_PORT_ENV,
     Holding,
     HoldingAnswers,
-    listed,
     live_sequence_models,
     sequence_idle_s,
 )
@@ -58,12 +57,14 @@ GAUGES_AGAIN_S = 10.0
 REPLICAS_AGAIN_S = 2.0
 # A leaving pod with live sequences answers healthy on its holding ports this long before it
 # stops being ready: Envoy checks every second (gateway/envoy.yaml, the Triton clusters), so
-# its priority-1 copy is healthy before its priority-0 one goes.
+# its priority-1 copy is healthy before its priority-0 one goes, even for a sequence that
+# started since its last read (HOLDING_POLL_S).
 HANDOVER_S = 2.0
 # How often a leaving replica reads its Triton's statistics again.
 LEAVE_POLL_S = 0.5
-# How often a pod asks whether the ready pods' Service lists it (ready_pods_service).
-LISTING_POLL_S = 1.0
+# How often a ready pod that a gateway checks reads which sequences its Triton holds live
+# (holding.py): its holding ports answer from that.
+HOLDING_POLL_S = 1.0
 # A leaving replica waits for its sequences only where a gateway checked its holding ports
 # this recently (gateway/envoy.yaml: every second): on the Serve path nothing would reach it.
 GATEWAY_CHECKED_S = 5.0
@@ -107,13 +108,6 @@ class TritonPodArgs(BaseModel):
     holding_grpc_port: int = Field(
         8105, gt=0, lt=65536,
         description="the same for the gRPC Triton cluster (grpc.health.v1)")
-    ready_pods_service: str = Field(
-        "",
-        description="the ready pods' headless Service (the RayService's spec.serveService, "
-                    "which the gateway resolves; invariant ready-pods-service-named): a pod "
-                    "it no longer lists (a NewCluster upgrade's old cluster) answers healthy "
-                    "on its holding ports while its Triton holds live sequences; empty: only "
-                    "a leaving replica does (make local, which has no such name)")
     leave_wait_s: float = Field(
         45.0, ge=0,
         description="how long a stopping replica waits while its Triton holds live sequences "
@@ -190,17 +184,16 @@ class TritonPod(GrpcForwarding):
         await self._readiness.start(int(os.environ.get(POD_READY_PORT_ENV) or args.ready_port))
         self._holding = Holding()
         self._holding_answers = HoldingAnswers(self._holding)
-        # The models' idle times, read from Triton once a leaving replica meets them.
+        # The models' idle times, read from Triton once the holding meets them.
         self._idle_s: dict[str, float | None] = {}
+        self._stats_failed = False
         await self._holding_answers.start(
             int(os.environ.get(HOLDING_PORT_ENV) or args.holding_port),
             int(os.environ.get(HOLDING_GRPC_PORT_ENV) or args.holding_grpc_port))
         await self._wait_for_triton()
         await self._warm()
         self._watch = asyncio.get_running_loop().create_task(self._watch_triton())
-        if args.ready_pods_service:
-            self._listing = asyncio.get_running_loop().create_task(
-                self._watch_listing(args.ready_pods_service))
+        self._holding_watch = asyncio.get_running_loop().create_task(self._watch_live())
 
     def __del__(self) -> Awaitable[None] | None:
         """Serve's stop of this replica: Serve awaits what this returns (its replica wrapper
@@ -241,29 +234,27 @@ class TritonPod(GrpcForwarding):
             logger.info("left holding no live sequence")
         await self._holding_answers.stop()
 
-    async def _watch_listing(self, service: str) -> None:
-        """Whether the ready pods' Service still lists this pod, asked every LISTING_POLL_S:
-        once it does not (KubeRay switched it to a new cluster) while this pod is ready, the
-        gateway sends the calls of its live sequences here (its priority 1), as to a leaving
-        pod's, until they end or go idle; its replica stops later, when KubeRay deletes the
-        cluster, and then waits for them as any leaving replica does."""
-        was_listed = False
-        while True:
-            await asyncio.sleep(LISTING_POLL_S)
-            answer = await asyncio.to_thread(listed, service)
-            unlisted = answer is False
-            if was_listed and unlisted != self._holding.unlisted:
-                logger.info("%s", f"{service} no longer lists this pod: the calls of its live "
-                            "sequences come on its holding ports" if unlisted
-                            else f"{service} lists this pod again")
-            was_listed = was_listed or answer is True
-            self._holding.unlisted = unlisted
-            if unlisted and not self._holding.leaving:
-                await self._update_holding()
+    async def _watch_live(self) -> None:
+        """Which sequences its Triton holds live, read every HOLDING_POLL_S while a gateway
+        checks the holding ports (nobody does on the Serve path): they answer healthy while
+        there is one, so the pod is healthy at the gateway's priority 1 before it leaves the
+        ready ones, by a scale-down or by an upgrade's switch of the ready pods' Service to a
+        new cluster (which the gateway may learn first); a leaving replica reads them itself."""
+        while not self._holding.leaving:
+            await asyncio.sleep(HOLDING_POLL_S)
+            if self._holding.leaving or not self._holding_answers.asked_within(
+                    GATEWAY_CHECKED_S):
+                continue
+            live = await self._live_sequences()
+            if not self._holding.leaving:
+                self._holding.live = live
 
     async def _update_holding(self) -> None:
+        self._holding.live = await self._live_sequences()
+
+    async def _live_sequences(self) -> list[str]:
         """The sequence models Triton ran a call of within their idle time; what Triton does
-        not answer counts as none (a Triton gone holds nothing)."""
+        not answer counts as none (a Triton gone holds nothing), said once until it answers."""
         try:
             status, body = await self._request("GET", "/v2/models/stats", None, {}, 2.0)
             if status != 200:
@@ -273,11 +264,14 @@ class TritonPod(GrpcForwarding):
                 if model not in self._idle_s:
                     self._idle_s[model] = sequence_idle_s(await self._config(model))
             idle = {m: s for m, s in self._idle_s.items() if s is not None}
-            self._holding.live = live_sequence_models(stats, idle, time.time())
+            self._stats_failed = False
+            return live_sequence_models(stats, idle, time.time())
         except (aiohttp.ClientError, TimeoutError, RuntimeError, ValueError) as error:
-            logger.warning("a pod out of the ready ones could not read its Triton's "
-                           "statistics: %s; it holds no live sequence", error)
-            self._holding.live = []
+            if not self._stats_failed:
+                logger.warning("the pod could not read its Triton's statistics: %s; it holds "
+                               "no live sequence until they answer", error)
+            self._stats_failed = True
+            return []
 
     async def _triton_says(self, rpc: str, timeout: float) -> str | None:
         """None when Triton answers `rpc` (ServerReady or ServerLive) true, else why not. Both

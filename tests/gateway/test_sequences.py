@@ -32,6 +32,7 @@ from local_stack.processes import end_session, free_orphaned_regions, spawn, ter
 from local_stack.settings import Settings, TritonPorts
 from tests.support.examples import SEQUENCE_EXAMPLES, sequence_example_passed
 from tests.support.lone_gateway import envoy_before
+from triton_pod.gateway_view import CLUSTERS_PATH, ready_tritons
 from triton_pod.holding import Holding, HoldingAnswers
 from triton_pod.sequences import SEQUENCE_NOT_HELD
 
@@ -419,6 +420,72 @@ def test_a_leaving_pod_gets_the_calls_of_the_sequences_it_holds_and_no_other(
     assert ran == (10, 30), f"sequence calls run by (the ready pod, the leaving one): {ran}"
     assert plain_on_leaving == 0, f"the leaving pod ran {plain_on_leaving} plain calls"
     assert SEQUENCE_NOT_HELD in str(refused.value), str(refused.value)
+
+
+def test_a_ready_pods_sequences_reach_it_from_the_moment_the_gateway_drops_it(
+        two_pods: TwoPods) -> None:
+    """A NewCluster upgrade's switch: the gateway's DNS answer drops pod 1 from the ready pods
+    while nothing has told pod 1 (its replica cannot learn it before the gateway does). Its
+    Triton holds live sequences, so its holding ports already answer healthy while it is
+    ready (priority 1, beside its ready copy), and every call of its sequences made right
+    after the drop reaches it and sums right. The control plane's count of the gateway's
+    Tritons (the metrics listener's /clusters, gateway_view.ready_tritons) stays the ready
+    pods, though Envoy's own healthy count has each pod holding sequences twice."""
+    kept, dropped = two_pods.pods
+    client = tc.InferenceServerClient(two_pods.grpc)
+    sums: dict[int, int] = {}
+    wrong: list[str] = []
+
+    def step(sequence: int, start: bool = False, end: bool = False) -> None:
+        sums[sequence] = sums.get(sequence, 0) + 1
+        got = _call(client, sequence, 1, start, end)
+        if got != sums[sequence]:
+            wrong.append(f"sequence {sequence}: {got}, not {sums[sequence]}")
+
+    def counted() -> tuple[int | None, int]:
+        metrics = f"http://127.0.0.1:{two_pods.settings.gateway_metrics_port}"
+        with urllib.request.urlopen(f"{metrics}{CLUSTERS_PATH}", timeout=5) as response:
+            ready = ready_tritons(response.read().decode())
+        with urllib.request.urlopen(f"{metrics}/stats/prometheus", timeout=5) as response:
+            envoys = [line for line in response.read().decode().splitlines()
+                      if line.startswith('envoy_cluster_membership_healthy{envoy_cluster_name='
+                                         '"triton"}')]
+        return ready, int(envoys[0].rsplit(" ", 1)[1])
+
+    sequences = range(9800, 9808)
+    try:
+        with _Replicas(2) as replicas:
+            every = list(zip(two_pods.pods, replicas.ports, strict=True))
+            two_pods.list_pods(two_pods.pods, every)
+            started_before = dropped.executions("sequence_sum")
+            for sequence in sequences:
+                step(sequence, start=True)
+            assert dropped.executions("sequence_sum") > started_before, "none started on pod 1"
+            # What each replica's watch reads from its Triton's statistics (pod.py).
+            for holding in replicas.holdings:
+                holding.live = ["sequence_sum"]
+            until("the gateway to count both pods healthy at priority 1 too",
+                  lambda: two_pods.healthy_ports(1) == ({p.ports.grpc for p in two_pods.pods},
+                                                        {p.ports.http for p in two_pods.pods})
+                  or f"{two_pods.healthy_ports(1)} at priority 1", 30)
+            assert counted() == (2, 4), counted()
+            two_pods.list_pods([kept], every)
+            until("the gateway to list pod 0 alone as ready",
+                  lambda: two_pods.healthy_ports(0) == ({kept.ports.grpc}, {kept.ports.http})
+                  or f"{two_pods.healthy_ports(0)} ready", 30, every_s=0.02)
+            before = dropped.executions("sequence_sum")
+            for call in range(3):
+                for sequence in sequences:
+                    step(sequence, end=call == 2)
+            ran_on_dropped = dropped.executions("sequence_sum") - before
+            assert counted() == (1, 3), counted()
+    finally:
+        client.close()
+        two_pods.list_pods(two_pods.pods)
+        until("the gateway to count both Tritons healthy again",
+              lambda: two_pods.healthy() == 2 or f"{two_pods.healthy()} healthy", 30)
+    assert not wrong, f"{len(wrong)} wrong after pod 1 was dropped: {wrong[:5]}"
+    assert ran_on_dropped > 0, "no call of pod 1's sequences reached it"
 
 
 def test_a_sequence_whose_triton_died_fails_with_tritons_own_refusal(two_pods: TwoPods) -> None:

@@ -11,18 +11,21 @@ from typing import Any
 
 import grpc
 import pytest
+import yaml
 
 from tests.support.stand_in_http import serving
+from tests.unit.test_gateway_started import _hosts
 from triton_pod.access import TokenCheck
 from triton_pod.autoscaling import TritonQueueTimePolicy
 from triton_pod.gateway_view import (
+    CLUSTERS_PATH,
     TRITON_CLUSTER,
     Demand,
     GatewayView,
     PodStats,
     demand_between,
-    healthy_hosts,
     pod_stats,
+    ready_tritons,
 )
 from triton_pod.grpc_forwarding import _forwarded_metadata
 from triton_pod.servicer import TIMEOUT_KEY, _ContextWithDeadline, add_triton_servicer
@@ -83,20 +86,32 @@ def test_policy_keeps_serves_decision_until_replicas_report() -> None:
         TritonQueueTimePolicy(gateway_wait_s=-1)
 
 
-ENVOY_STATS = f"""# TYPE envoy_cluster_membership_healthy gauge
-envoy_cluster_membership_healthy{{envoy_cluster_name="envoy-admin"}} 1
-envoy_cluster_membership_healthy{{envoy_cluster_name="{TRITON_CLUSTER}"}} 3
-envoy_cluster_membership_healthy{{envoy_cluster_name="triton-http"}} 2
-"""
+def _clusters(ready: int, healthy: int, holding: int) -> str:
+    """Envoy's /clusters text for the gateway's Triton clusters: `ready` pods at priority 0,
+    `healthy` of them passing their checks, and every one again at priority 1, `holding` of
+    them healthy there (their Tritons hold live sequences)."""
+    return "".join([f"{name}::observability_name::{name}\n" + _hosts(name, ready, healthy)
+                    + _hosts(name, ready, holding, priority=1)
+                    for name in (TRITON_CLUSTER, "triton-http")])
 
 
-def test_the_gateways_healthy_tritons_are_read_from_its_stats() -> None:
-    from gateway.routes import GRPC_CLUSTER
+def test_the_gateways_ready_tritons_are_read_from_its_host_list() -> None:
+    """Priority 0 only: a ready pod whose Triton holds a live sequence is healthy at priority 1
+    too (serve/triton_pod/holding.py), and Envoy's own healthy count (membership_healthy)
+    counts it twice, which would hold an upgrade's new cluster at more GPU pods than served."""
+    from gateway.routes import GRPC_CLUSTER, ROOT
 
     assert TRITON_CLUSTER == GRPC_CLUSTER  # the name the gateway's config gives the cluster
-    assert healthy_hosts(ENVOY_STATS) == 3
-    assert healthy_hosts(ENVOY_STATS, "triton-http") == 2
-    assert healthy_hosts("envoy_cluster_upstream_rq_total{} 4\n") is None
+    envoy = yaml.safe_load((ROOT / "gateway" / "envoy.yaml").read_text())
+    metrics = next(listener for listener in envoy["static_resources"]["listeners"]
+                   if listener["name"] == "metrics")
+    routes = metrics["filter_chains"][0]["filters"][0]["typed_config"]["route_config"][
+        "virtual_hosts"][0]["routes"]
+    assert {"match": {"path": CLUSTERS_PATH}, "route": {"cluster": "envoy-admin"}} in routes
+    assert ready_tritons(_clusters(ready=3, healthy=3, holding=2)) == 3
+    assert ready_tritons(_clusters(ready=3, healthy=1, holding=3)) == 1
+    assert ready_tritons(_clusters(ready=0, healthy=0, holding=0)) == 0
+    assert ready_tritons("envoy-admin::observability_name::envoy-admin\n") is None
 
 
 class _Gateway:
@@ -120,7 +135,7 @@ envoy_http_downstream_rq_total{envoy_http_conn_manager_prefix="triton_http"} 2
 envoy_http_downstream_rq_active{envoy_http_conn_manager_prefix="metrics"} 1
 envoy_http_downstream_rq_active{envoy_http_conn_manager_prefix="triton_grpc"} 3
 envoy_http_downstream_rq_active{envoy_http_conn_manager_prefix="triton_http"} 0
-envoy_cluster_membership_healthy{envoy_cluster_name="triton"} 0
+envoy_cluster_membership_healthy{envoy_cluster_name="triton"} 3
 """
 
 
@@ -129,7 +144,7 @@ def test_the_gateways_demand_is_read_from_its_client_listeners_only() -> None:
 
     shipped = (ROOT / "gateway" / "envoy.yaml").read_text()
     assert all(f"stat_prefix: {name}" in shipped for name in ("triton_grpc", "triton_http"))
-    assert pod_stats(ENVOY_DEMAND) == PodStats(healthy=0, requests=42, active=3)
+    assert pod_stats(ENVOY_DEMAND, 2) == PodStats(healthy=2, requests=42, active=3)
 
 
 def test_demand_is_summed_over_pods_and_survives_a_restarted_envoy() -> None:
@@ -169,15 +184,17 @@ def test_without_the_gateways_demand_the_policy_says_so_once_and_never_goes_to_z
 
 
 def test_the_view_polls_every_gateway_pod(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Two Envoys' stats at one port on two loopback addresses, as the headless Service lists
-    two pods: their requests add up between polls, their healthy counts give the largest."""
+    """Two Envoys' stats and host lists at one port on two loopback addresses, as the headless
+    Service lists two pods: their requests add up between polls, their ready Tritons give the
+    largest."""
     texts = {"127.0.0.1": ENVOY_DEMAND, "127.0.0.2": ENVOY_DEMAND.replace(
-        'prefix="triton_grpc"} 40', 'prefix="triton_grpc"} 10').replace(
-        'cluster_name="triton"} 0', 'cluster_name="triton"} 2')}
+        'prefix="triton_grpc"} 40', 'prefix="triton_grpc"} 10')}
+    hosts = {"127.0.0.1": _clusters(ready=2, healthy=1, holding=2),
+             "127.0.0.2": _clusters(ready=2, healthy=2, holding=1)}
     monkeypatch.setattr(GatewayView, "_poll", lambda self: None)  # polled by hand below
     monkeypatch.setattr(GatewayView, "_addresses", lambda self: ["127.0.0.1", "127.0.0.2"])
-    with serving(lambda address, _: texts[address].encode(),
-                 ("127.0.0.1", "127.0.0.2")) as port:
+    with serving(lambda address, path: (hosts if path == CLUSTERS_PATH else texts)[
+                     address].encode(), ("127.0.0.1", "127.0.0.2")) as port:
         view = GatewayView(f"http://gateway-metrics:{port}/stats/prometheus")
         view._poll_once()
         assert view.count == 2 and view.demand == Demand(0, 6)

@@ -113,7 +113,7 @@ pytestmark = pytest.mark.processes
     ids=["none-ready-three-warming", "ready-and-one-leaving", "ready-unhealthy-one-leaving"])
 def test_only_the_ready_tritons_count(ready: tuple[int, int], every_pod: tuple[int, int],
                                       passes: bool) -> None:
-    """Priority 1 (every pod again, healthy only while leaving with live sequences) neither
+    """Priority 1 (every pod again, healthy only while its Triton holds live sequences) neither
     holds the start back nor lets it pass: no Triton ready is "none listed" with pods warming,
     and a leaving pod's health is not a ready Triton's."""
     with _gateway(ready, ready, every_pod=every_pod) as port:

@@ -306,30 +306,32 @@ def test_the_gateway_config_is_what_make_gateway_config_writes() -> None:
         ENVOY_CONFIG,
         SERVE_CONFIG,
         allowed_admin_rpcs,
-        ready_pods,
         render,
         sequence_retries,
+        tries_per_priority,
     )
 
     text = ENVOY_CONFIG.read_text()
     serve_config = yaml.safe_load(SERVE_CONFIG.read_text())
     assert render(text, allowed_admin_rpcs(serve_config), sequence_retries(serve_config),
-                  ready_pods(serve_config)) == text
+                  tries_per_priority(serve_config)) == text
 
 
-@pytest.mark.parametrize(("max_replicas", "retries"), [(1, 3), (2, 3), (4, 7), (5, 9), (17, 33)])
+@pytest.mark.parametrize(("max_replicas", "retries"), [(1, 3), (2, 7), (4, 15), (5, 19),
+                                                     (17, 67)])
 def test_the_gateway_retries_as_often_as_pods_allow_and_no_more(max_replicas: int,
                                                                 retries: int) -> None:
     """make gateway-config writes the retries and the retry priority's update frequency from
-    Serve's max_replicas: a sequence's call tries as many ready pods as there may be, then the
-    leaving ones, and a call every Triton refuses is tried no more often than that."""
+    Serve's max_replicas: a sequence's call tries twice as many ready pods as there may be,
+    then as many pods holding live sequences (in an upgrade, both clusters' pods), and a call
+    every Triton refuses is tried no more often than that."""
     from gateway.routes import (
         ENVOY_CONFIG,
-        ready_pods,
         render,
         retry_holders,
         sequence_retries,
         sequence_tries,
+        tries_per_priority,
     )
 
     serve_config = yaml.safe_load((ROOT / "serve" / "serve-config.yaml").read_text())
@@ -337,12 +339,12 @@ def test_the_gateway_retries_as_often_as_pods_allow_and_no_more(max_replicas: in
         "max_replicas"] = max_replicas
     assert sequence_retries(serve_config) == retries
     written = yaml.safe_load(render(ENVOY_CONFIG.read_text(), [], retries,
-                                    ready_pods(serve_config)))
+                                    tries_per_priority(serve_config)))
     assert set(sequence_tries(written).values()) == {retries + 1}
     frequencies = {holder["retry_policy"]["retry_priority"]["typed_config"]["update_frequency"]
                    for holder in retry_holders(written) if "retry_priority" in
                    holder.get("retry_policy", {})}
-    assert frequencies == {max_replicas}
+    assert frequencies == {2 * max_replicas}
 
 
 def test_the_tls_secrets_documents_are_what_make_gateway_config_writes() -> None:

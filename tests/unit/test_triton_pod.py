@@ -42,9 +42,11 @@ async def started_forwarder(args: TritonPodArgs) -> TritonPod:
     return forwarder
 
 
-async def _http_triton(port: int, routes: dict[tuple[str, str], Any]) -> web.AppRunner:
+async def _http_triton(port: int, routes: dict[tuple[str, str], Any],
+                       asked: list[str] | None = None) -> web.AppRunner:
     """A stand-in for Triton's HTTP endpoint on `port`: /v2/health/ready, and `routes`
-    ({(method, path): JSON answer}); it runs until the test's event loop ends."""
+    ({(method, path): JSON answer}), each asked path appended to `asked`; it runs until the
+    test's event loop ends."""
     app = web.Application()
 
     async def ready(request: web.Request) -> web.Response:
@@ -54,6 +56,8 @@ async def _http_triton(port: int, routes: dict[tuple[str, str], Any]) -> web.App
     for (method, path), answer in routes.items():
         async def handler(request: web.Request, answer: Any = answer) -> web.Response:
             await request.read()
+            if asked is not None:
+                asked.append(request.path)
             return web.json_response(answer)
 
         app.router.add_route(method, path, handler)
