@@ -3,7 +3,8 @@ the Tritons from the DNS on its own clock, and the Service IP may send a client'
 connection to any of them); every pod's raylet has a /tmp/ray of its own, so nodes that
 start together never race for one socket or log name (raylets that lost that race aborted
 on bind(), a crash no cluster has); every GPU pod is listed a second time, at priority 1, for
-a leaving pod's sequences, and is unhealthy there while its replica is not leaving."""
+the sequences of a pod out of the ready ones, and is unhealthy there while its Triton holds no
+live sequence."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import tritonclient.grpc as tc
 from tritonclient.utils import InferenceServerException
 
 from local_stack.polling import until
+from tests.cluster.conftest import TRITONS
 from tests.support.cluster import Cluster
 
 BIND_FAILED = "bind: Address already in use"
@@ -44,9 +46,10 @@ def test_every_gpu_pod_is_listed_again_at_priority_1_apart_from_its_ready_copy(
         cluster: Cluster) -> None:
     """Envoy's STRICT_DNS keeps each DNS name's hosts apart: a ready pod is a healthy host at
     priority 0 (triton-pods) and a host of its own at priority 1 (triton-all-pods), checked on
-    its replica's holding ports, which answer unhealthy while the replica is not leaving
-    (serve/triton_pod/holding.py)."""
-    pods = cluster.settled(len(cluster.ready_pods("triton")))
+    its replica's holding ports, which answer unhealthy while its Triton holds no live
+    sequence (serve/triton_pod/holding.py). All of the cluster's GPU pods, not those ready at
+    the moment asked (a pod whose Ray worker restarts is out a while)."""
+    pods = cluster.settled(TRITONS)
     ips = {cluster.pod_ip(p) for p in pods}
 
     def listed_twice() -> object:

@@ -44,6 +44,7 @@ from local_stack.triton_inputs import simple_inputs, tensor
 from tests.gateway.test_sequences import _call as _sequence_call
 from tests.support.examples import SEQUENCE_EXAMPLES, sequence_example_passed
 from tests.support.load import DEADLINE_S, Outcome, load, scale_cycle
+from triton_pod.gateway_view import CLUSTERS_PATH, ready_tritons
 
 # Quick autoscaling for a test: Triton's metrics every half second, short delays, and a low
 # queue-time target that the slow model's queue crosses with a handful of callers.
@@ -167,12 +168,18 @@ def test_many_large_calls_on_one_connection_never_stall(pods: RunningStack) -> N
         assert longest < 30, f"a call took {longest:.1f}s: the connection stalled"
 
 
-def test_metrics_port_serves_prometheus_and_nothing_else(pods: RunningStack) -> None:
+def test_metrics_port_serves_prometheus_and_the_tritons_and_nothing_else(
+        pods: RunningStack) -> None:
+    """Of the admin interface only what reads: the stats for Prometheus and the host list the
+    control plane counts the ready Tritons from (serve/triton_pod/gateway_view.py)."""
     base = f"http://localhost:{pods.ports['GATEWAY_METRICS_PORT']}"
     with urllib.request.urlopen(f"{base}/stats/prometheus", timeout=10) as response:
         text = response.read().decode()
     assert 'envoy_cluster_upstream_rq_total{envoy_cluster_name="triton"}' in text
-    for path in ("/quitquitquit", "/clusters", "/config_dump", "/stats"):
+    with urllib.request.urlopen(f"{base}{CLUSTERS_PATH}", timeout=10) as response:
+        hosts = response.read().decode()
+    assert ready_tritons(hosts) is not None and "::priority::1" in hosts, hosts[:500]
+    for path in ("/quitquitquit", "/healthcheck/fail", "/config_dump", "/stats", "/runtime"):
         with pytest.raises(urllib.error.HTTPError) as caught:
             urllib.request.urlopen(f"{base}{path}", timeout=10)
         assert caught.value.code == 404, path
