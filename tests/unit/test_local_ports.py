@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 import re
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -32,7 +33,7 @@ def test_no_port_is_handed_out_twice() -> None:
 
 def test_a_bound_port_is_not_handed_out(monkeypatch: pytest.MonkeyPatch) -> None:
     busy = ports.free_port_range(2)
-    ports._handed_out.difference_update({busy, busy + 1})
+    ports.release({busy, busy + 1})
     monkeypatch.setattr(ports, "_rng", _Scripted([busy]))
     with socket.socket() as taken:
         taken.bind(("0.0.0.0", busy))
@@ -140,12 +141,30 @@ def test_a_block_is_found_while_one_gap_is_left(monkeypatch: pytest.MonkeyPatch)
     """A long test session scatters handed-out ports: CI saw a 60-port block refused with gaps
     left. Here every port but one gap of 60 is handed out; the block must be that gap."""
     gap = ports.LOW + (ports.HIGH - ports.LOW) // 2
-    monkeypatch.setattr(ports, "_handed_out",
-                        set(range(ports.LOW, ports.HIGH)) - set(range(gap, gap + 60)))
+    monkeypatch.setattr(ports, "_handed_out", dict.fromkeys(
+        set(range(ports.LOW, ports.HIGH)) - set(range(gap, gap + 60)), time.monotonic()))
     monkeypatch.setattr(ports, "_bindable", lambda port: True)
     assert ports.free_port_range(60) == gap
     with pytest.raises(RuntimeError, match="no 1 consecutive free ports"):
         ports.free_port_range(1)
+
+
+def test_ports_drawn_long_ago_make_room_once_no_block_is_left(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long session's single ports, scattered, left no 60-port block late in a rehearsal of
+    `make test` (this file's draw refused). Ports drawn over STALE_S ago and free now are
+    drawn again once no block is left otherwise; ports drawn lately, or reserved for a running
+    stack, never."""
+    long_ago = time.monotonic() - ports.STALE_S - 1
+    every_30th = range(ports.LOW, ports.HIGH, 30)
+    monkeypatch.setattr(ports, "_bindable", lambda port: True)
+    monkeypatch.setattr(ports, "_handed_out", dict.fromkeys(every_30th, long_ago))
+    first = ports.free_port_range(60)
+    assert all((ports._handed_out[p] or 0) > long_ago for p in range(first, first + 60))
+    for lately in (time.monotonic(), None):
+        monkeypatch.setattr(ports, "_handed_out", dict.fromkeys(every_30th, lately))
+        with pytest.raises(RuntimeError, match="no 60 consecutive free ports"):
+            ports.free_port_range(60)
 
 
 def test_a_serve_path_that_could_never_scale_from_zero_is_refused(tmp_path: Path) -> None:
