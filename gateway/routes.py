@@ -127,14 +127,27 @@ def tries_per_priority(serve_config: dict[str, Any]) -> int | None:
     return None if pods is None else 2 * pods
 
 
+# Rounds of tries_per_priority tries a sequence's call may need: at the ready pods
+# (priority 0), then at the pods holding live sequences (priority 1); and one more at the
+# ready pods before those when its first round met both priorities (no ready pod healthy when
+# it began, one healthy by a later try, as at an upgrade's switch): previous_priorities then
+# finds every priority tried, starts again from the ready pods and counts its round anew.
+SEQUENCE_ROUNDS = 3
+
+
+def tries_needed(pods: int) -> int:
+    """The tries a sequence's call may need to reach the pod holding it with `pods` as Serve's
+    max_replicas: SEQUENCE_ROUNDS rounds of tries_per_priority (2 x `pods`)."""
+    return SEQUENCE_ROUNDS * 2 * pods
+
+
 def sequence_retries(serve_config: dict[str, Any]) -> int:
-    """The retries of the gateway's retry policies: enough for a sequence's call to make
-    tries_per_priority tries at the ready pods (priority 0) and as many at the pods holding
-    live sequences (priority 1), 4 x max_replicas tries in all, and never fewer than 3 (a call
-    no Triton ran, on another Triton); no more, since each retry of a refused call is another
-    Triton's work (a malformed HTTP inference is refused by each Triton tried)."""
-    per_priority = tries_per_priority(serve_config)
-    return MIN_RETRIES if per_priority is None else max(MIN_RETRIES, 2 * per_priority - 1)
+    """The retries of the gateway's retry policies: enough for a sequence's call to make the
+    tries_needed (6 x max_replicas), and never fewer than 3 (a call no Triton ran, on another
+    Triton); no more, since each retry of a refused call is another Triton's work (a
+    malformed HTTP inference is refused by each Triton tried)."""
+    pods = ready_pods(serve_config)
+    return MIN_RETRIES if pods is None else max(MIN_RETRIES, tries_needed(pods) - 1)
 
 
 def render(text: str, allowed: list[str], retries: int = 0,

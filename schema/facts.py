@@ -37,6 +37,7 @@ from gateway.routes import (
     retries_sequences,
     retry_holders,
     sequence_tries,
+    tries_needed,
 )
 from gateway.tenant_shares import (
     CAPACITY_ENV,
@@ -669,7 +670,7 @@ def extract(rayservice: dict[str, Any], stream: list[dict[str, Any]] | None = No
         short = [f"{listener}: " + ("no retry policy tries it on another Triton" if tries is None
                                     else f"{tries} Tritons at most")
                  for listener, tries in gateway.sequence_tries.items()
-                 if tries is None or (isinstance(pods, int) and tries < 4 * pods)]
+                 if tries is None or (isinstance(pods, int) and tries < tries_needed(pods))]
         facts.put("sequenceCallsShort", short,
                   f"{gateway.source} listeners' retry_policy.num_retries (a sequence's call) "
                   f"against {serve.app_path}.deployments[0].autoscaling_config.max_replicas "

@@ -2,7 +2,10 @@
 min_replicas is below what serves the load: the gateway sends calls to the old cluster's
 Tritons until KubeRay switches its Services, then to the new cluster's; never to a Triton that
 does not serve the model, no call is lost on the way, and the new cluster runs as many Tritons
-at the switch as the old one did."""
+at the switch as the old one did. Sequences started on the old cluster before the switch keep
+reaching the Triton that holds them after it (a pod whose Triton holds live sequences answers
+healthy on its holding ports, ready or not: serve/triton_pod/holding.py), and sum right to
+their END."""
 
 from __future__ import annotations
 
@@ -15,14 +18,21 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import tritonclient.grpc as tc
 import tritonclient.grpc.aio as tc_aio
 from tritonclient.utils import InferenceServerException
 
 from local_stack.harness import (
     serve_config_with,
 )
-from local_stack.triton import EXAMPLE_MODELS, TEST_MODELS, merged_model_repository
+from local_stack.triton import (
+    EXAMPLE_MODELS,
+    SEQUENCE_MODELS,
+    TEST_MODELS,
+    merged_model_repository,
+)
 from local_stack.triton_inputs import simple_inputs, tensor
+from tests.gateway.test_sequences import _call as _sequence_call
 from tests.support.cluster import OWN_CONNECTION, Calls, Cluster, mixed_load, until
 
 # In the running cluster's model set only; the upgrade drops it.
@@ -49,10 +59,15 @@ AIO_STREAM_END = "INTERNAL: Internal error from Core"
 # Ray dashboard agents, which their raylets give a fixed 15 s to start before aborting (Ray
 # issue 65983), so the new cluster would never join. Paced, the load still spans every phase.
 PAUSE_S = 0.1
+# Sequences started on the old cluster before the upgrade, each called once a round (within
+# sequence_sum's 60 s idle time) until every gateway has moved to the new cluster's pods and
+# sends their calls to the old ones at priority 1, then ROUNDS_AFTER more, then ended.
+HELD_SEQUENCES = 3
+ROUNDS_AFTER = 5
 
 
 def _new_model_set() -> Path:
-    repo = merged_model_repository([EXAMPLE_MODELS, TEST_MODELS])
+    repo = merged_model_repository([EXAMPLE_MODELS, TEST_MODELS, SEQUENCE_MODELS])
     shutil.rmtree(repo / OLD_ONLY)
     shutil.copytree(repo / "simple", repo / NEW_ONLY)
     config = repo / NEW_ONLY / "config.pbtxt"
@@ -89,6 +104,65 @@ def _the_gap(kind: str, status: str) -> bool:
     return NO_TRITON in status or (kind == "stream" and status == AIO_STREAM_END)
 
 
+class _HeldSequences:
+    """Sequences of sequence_sum started before the upgrade (on the old cluster, the only one
+    then), called once a round until `moved` and ROUNDS_AFTER rounds more, then ended; every
+    running sum checked. A call the gateway answered "no Triton is ready" (the moment a
+    gateway pod's whole list is replaced) ran nowhere, and is made again."""
+
+    def __init__(self, cluster: Cluster, stop: threading.Event) -> None:
+        self.client = tc.InferenceServerClient(cluster.grpc_url)
+        self.stop = stop
+        self.moved = threading.Event()
+        self.sums: dict[int, int] = {}
+        self.wrong: list[str] = []
+        self.rounds_after = 0
+        self.calls = 0
+
+    def step(self, sequence: int, start: bool = False, end: bool = False) -> None:
+        self.sums[sequence] = self.sums.get(sequence, 0) + 1
+        for _ in range(50):
+            try:
+                got = _sequence_call(self.client, sequence, 1, start, end)
+            except InferenceServerException as error:
+                if NO_TRITON in str(error):
+                    time.sleep(0.1)
+                    continue
+                self.wrong.append(f"sequence {sequence} call {self.sums[sequence]}: {error}")
+                return
+            self.calls += 1
+            if got != self.sums[sequence]:
+                self.wrong.append(f"sequence {sequence}: {got}, not {self.sums[sequence]}")
+            return
+        self.wrong.append(f"sequence {sequence}: no Triton ready for 5 s")
+
+    def run(self) -> None:
+        sequences = range(7000, 7000 + HELD_SEQUENCES)
+        try:
+            for sequence in sequences:
+                self.step(sequence, start=True)
+            while self.rounds_after < ROUNDS_AFTER and not self.stop.is_set():
+                time.sleep(0.3)
+                for sequence in sequences:
+                    self.step(sequence)
+                if self.moved.is_set():
+                    self.rounds_after += 1
+            for sequence in sequences:
+                self.step(sequence, end=True)
+        finally:
+            self.client.close()
+
+
+def _held_at_priority_1(cluster: Cluster, old_ips: set[str]) -> object:
+    """True once every ready gateway pod's Envoy counts an old cluster's pod healthy at
+    priority 1 (holding live sequences: their calls can reach it)."""
+    for gateway in cluster.ready_pods("gateway"):
+        hosts = cluster.envoy_hosts(gateway, "triton", 1)
+        if not any(hosts.get(ip) == [] for ip in old_ips):
+            return f"{gateway} lists at priority 1 {hosts}, none of {sorted(old_ips)} healthy"
+    return True
+
+
 def _lists_only(cluster: Cluster, ips: set[str]) -> object:
     """True once every ready gateway pod's Envoy has exactly `ips`, all healthy."""
     for gateway in cluster.ready_pods("gateway"):
@@ -111,6 +185,8 @@ def test_an_upgrade_changing_the_model_set_sends_no_call_to_a_triton_without_the
     timings: dict[str, float] = {}
     problems: list[str] = []
     replicas_at_switch: list[int] = []
+    held = _HeldSequences(cluster, stop_all)
+    old_ips = {cluster.pod_ip(pod) for pod in old_pods}
 
     def upgrade() -> list[str]:
         (cluster.pods_dir / "upgrade").write_text(f"MODEL_REPOSITORY={new_repo}\n"
@@ -133,6 +209,9 @@ def test_an_upgrade_changing_the_model_set_sends_no_call_to_a_triton_without_the
             until("the gateways to list the new cluster's pods only",
                   lambda: _lists_only(cluster, ips), cluster.built_dns_ttl + 30, every_s=0.5)
             timings["switch to new pods only"] = time.monotonic() - switched_at
+            until("the old cluster's pods holding sequences to be healthy at priority 1",
+                  lambda: _held_at_priority_1(cluster, old_ips), 30, every_s=0.5)
+            held.moved.set()
         except TimeoutError as error:
             problems.append(str(error))
         return new_pods
@@ -144,6 +223,7 @@ def test_an_upgrade_changing_the_model_set_sends_no_call_to_a_triton_without_the
                                                  pause_s=PAUSE_S))
         old = [asyncio.ensure_future(_caller(cluster, OLD_ONLY, stop_old, old_only))
                for _ in range(2)]
+        sequences = asyncio.ensure_future(asyncio.to_thread(held.run))
         await asyncio.sleep(2)
         try:
             new_pods = await asyncio.to_thread(upgrade)
@@ -158,9 +238,11 @@ def test_an_upgrade_changing_the_model_set_sends_no_call_to_a_triton_without_the
             stop_new.set()
             stop_all.set()
             stop.set()
-            await asyncio.gather(load, *old)
+            await asyncio.gather(load, *old, sequences)
 
     new_pods = asyncio.run(main())
+    print(f"held sequences: {held.calls} calls, {held.rounds_after} rounds after the move, "
+          f"{held.wrong[:3]}")
     switched = timings.pop("switched at", 0.0)
     failed_at = sorted(round(c[1] - switched, 1) for c in common.failed() + new_only.failed())
     print(f"upgrade {old_pods} -> {new_pods}: {common.summary()}; {old_only.summary()}; "
@@ -183,6 +265,10 @@ def test_an_upgrade_changing_the_model_set_sends_no_call_to_a_triton_without_the
     assert old_only.failed() == [], old_only.failed()[:10]
     # The gateways follow the new cluster within the DNS TTL of the switch.
     assert problems == []
+    # The old cluster's sequences, started before the switch: every call right through the
+    # switch and after the gateways moved, then ended.
+    assert held.wrong == [], held.wrong[:5]
+    assert held.rounds_after == ROUNDS_AFTER, held.rounds_after
     # The new set's model once the gateways follow the new cluster: only its Tritons.
     assert new_only.count() > 50, new_only.summary()
     assert set(cluster.ready_pods("triton")) == set(new_pods)

@@ -14,9 +14,11 @@ import subprocess
 import threading
 import urllib.request
 from collections.abc import Iterator
+from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as tc
@@ -33,7 +35,7 @@ from local_stack.settings import Settings, TritonPorts
 from tests.support.examples import SEQUENCE_EXAMPLES, sequence_example_passed
 from tests.support.lone_gateway import envoy_before
 from triton_pod.gateway_view import CLUSTERS_PATH, ready_tritons
-from triton_pod.holding import Holding, HoldingAnswers
+from triton_pod.holding import SERVING, Holding, HoldingAnswers
 from triton_pod.sequences import SEQUENCE_NOT_HELD
 
 pytestmark = pytest.mark.processes
@@ -138,6 +140,12 @@ class TwoPods:
 
     def executions(self, model: str) -> list[int]:
         return [pod.executions(model) for pod in self.pods]
+
+    def relist(self) -> None:
+        """Both pods ready again, none listed at priority 1, as each test found them."""
+        self.list_pods(self.pods)
+        until("the gateway to count both Tritons healthy again",
+              lambda: self.healthy() == 2 or f"{self.healthy()} healthy", 30)
 
 
 @pytest.fixture(scope="module")
@@ -328,8 +336,9 @@ class _Replicas:
 
     def __enter__(self) -> _Replicas:
         self._thread.start()
-        for answers, (http, grpc) in zip(self._answers, self.ports, strict=True):
-            asyncio.run_coroutine_threadsafe(answers.start(http, grpc), self._loop).result(10)
+        for answers, (http_port, grpc_port) in zip(self._answers, self.ports, strict=True):
+            asyncio.run_coroutine_threadsafe(answers.start(http_port, grpc_port),
+                                             self._loop).result(10)
         return self
 
     def __exit__(self, *_: object) -> None:
@@ -411,9 +420,7 @@ def test_a_leaving_pod_gets_the_calls_of_the_sequences_it_holds_and_no_other(
     finally:
         grpc_client.close()
         http_client.close()
-        two_pods.list_pods(two_pods.pods)
-        until("the gateway to count both Tritons healthy again",
-              lambda: two_pods.healthy() == 2 or f"{two_pods.healthy()} healthy", 30)
+        two_pods.relist()
     assert not wrong, f"{len(wrong)} wrong while pod 1 was leaving: {wrong[:5]}"
     # Pod 1 ran each held sequence's three calls; pod 0 the new sequences' two calls each (and
     # the refusals, which Triton does not count as executions).
@@ -481,11 +488,105 @@ def test_a_ready_pods_sequences_reach_it_from_the_moment_the_gateway_drops_it(
             assert counted() == (1, 3), counted()
     finally:
         client.close()
-        two_pods.list_pods(two_pods.pods)
-        until("the gateway to count both Tritons healthy again",
-              lambda: two_pods.healthy() == 2 or f"{two_pods.healthy()} healthy", 30)
+        two_pods.relist()
     assert not wrong, f"{len(wrong)} wrong after pod 1 was dropped: {wrong[:5]}"
     assert ran_on_dropped > 0, "no call of pod 1's sequences reached it"
+
+
+class _SlowRefuser:
+    """A Triton holding some other sequence (a stand-in: only the timing of its answer
+    matters): it answers its gRPC health check, on its own port as on its holding port,
+    SERVING, and refuses every ModelInfer in Triton's words, but only once the test lets it."""
+
+    def __init__(self) -> None:
+        (self.port,) = free_ports(1)
+        self.asked = threading.Event()
+        self.answer = threading.Event()
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=4),
+                                   options=[("grpc.so_reuseport", 0)])
+
+    def _infer(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        self.asked.set()
+        self.answer.wait(60)
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                      f"inference request for sequence 1 to model 'sequence_sum' "
+                      f"{SEQUENCE_NOT_HELD} on the first request of the sequence")
+        raise AssertionError("grpc's abort raises; its type does not say so")
+
+    def __enter__(self) -> _SlowRefuser:
+        def check(request: bytes, context: grpc.ServicerContext) -> bytes:
+            return SERVING
+
+        self._server.add_generic_rpc_handlers((
+            grpc.method_handlers_generic_handler("grpc.health.v1.Health", {
+                "Check": grpc.unary_unary_rpc_method_handler(check)}),
+            grpc.method_handlers_generic_handler("inference.GRPCInferenceService", {
+                "ModelInfer": grpc.unary_unary_rpc_method_handler(self._infer)}),
+        ))
+        self._server.add_insecure_port(f"0.0.0.0:{self.port}")
+        self._server.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.answer.set()
+        self._server.stop(grace=None).wait(10)
+
+
+def test_a_sequence_call_that_met_a_holding_pod_before_the_ready_ones_came_still_reaches_it(
+        two_pods: TwoPods) -> None:
+    """An upgrade's switch as the gateway may see it: the old ready pods gone from priority 0
+    and the new ones not yet through their first health check, so a call of a sequence goes to
+    the pods holding live sequences (priority 1) and meets one not holding it; by its next try
+    a new ready pod is healthy, so its tries meet both priorities before the retry priority
+    first moves on (previous_priorities then starts again from the ready pods). The call
+    still reaches the Triton holding its sequence, and sums right (seen failing with the
+    retries of 4 x max_replicas: every later try went to the ready pod, which refused it)."""
+    holder, new = two_pods.pods
+    direct = tc.InferenceServerClient(holder.url)
+    client = tc.InferenceServerClient(two_pods.grpc)
+    sequence = 9900
+    outcome: list[int | str] = []
+    try:
+        with _Replicas(1) as replicas, _SlowRefuser() as other:
+            # Started on the holder itself, whose replica has not yet read it as live.
+            assert _call(direct, sequence, 1, True, False) == 1
+            every = [(holder.ports.grpc, replicas.ports[0][1]), (other.port, other.port)]
+            gateway.write_endpoints(two_pods.folder / "endpoints.json", [], every_pod=every)
+            gateway.write_endpoints(two_pods.folder / "endpoints-http.json", [], HTTP_CLUSTER,
+                                    every_pod=[(holder.ports.http, replicas.ports[0][0])])
+            until("the gateway to list no ready pod and only the other holder at priority 1",
+                  lambda: (two_pods.healthy_ports(0) == (set(), set())
+                           and two_pods.healthy_ports(1)[0] == {other.port})
+                  or f"{two_pods.healthy_ports(0)} ready, {two_pods.healthy_ports(1)} holding",
+                  30)
+
+            def call() -> None:
+                try:
+                    outcome.append(_call(client, sequence, 1, False, False))
+                except InferenceServerException as error:
+                    outcome.append(str(error))
+
+            caller = threading.Thread(target=call)
+            caller.start()
+            assert other.asked.wait(30), "the call did not reach the only holding pod"
+            # Meanwhile the new ready pod passes its first check, and the holder's replica
+            # reads its sequence as live.
+            replicas.holdings[0].live = ["sequence_sum"]
+            gateway.write_endpoints(two_pods.folder / "endpoints.json", [new.ports.grpc],
+                                    every_pod=every)
+            until("the gateway to count the new pod ready and the holder at priority 1",
+                  lambda: (two_pods.healthy_ports(0)[0] == {new.ports.grpc}
+                           and two_pods.healthy_ports(1)[0] == {other.port, holder.ports.grpc})
+                  or f"{two_pods.healthy_ports(0)} ready, {two_pods.healthy_ports(1)} holding",
+                  30)
+            other.answer.set()
+            caller.join(60)
+            assert outcome == [2], f"the call that met both priorities: {outcome}"
+            assert _call(client, sequence, 1, False, True) == 3
+    finally:
+        direct.close()
+        client.close()
+        two_pods.relist()
 
 
 def test_a_sequence_whose_triton_died_fails_with_tritons_own_refusal(two_pods: TwoPods) -> None:

@@ -317,14 +317,16 @@ def test_the_gateway_config_is_what_make_gateway_config_writes() -> None:
                   tries_per_priority(serve_config)) == text
 
 
-@pytest.mark.parametrize(("max_replicas", "retries"), [(1, 3), (2, 7), (4, 15), (5, 19),
-                                                     (17, 67)])
+@pytest.mark.parametrize(("max_replicas", "retries"), [(1, 5), (2, 11), (4, 23), (5, 29),
+                                                     (17, 101)])
 def test_the_gateway_retries_as_often_as_pods_allow_and_no_more(max_replicas: int,
                                                                 retries: int) -> None:
     """make gateway-config writes the retries and the retry priority's update frequency from
     Serve's max_replicas: a sequence's call tries twice as many ready pods as there may be,
-    then as many pods holding live sequences (in an upgrade, both clusters' pods), and a call
-    every Triton refuses is tried no more often than that."""
+    then as many pods holding live sequences (in an upgrade, both clusters' pods), with one
+    round more at the ready pods for a call whose first round met both priorities
+    (tests/gateway/test_sequences.py), and a call every Triton refuses is tried no more often
+    than that."""
     from gateway.routes import (
         ENVOY_CONFIG,
         render,
