@@ -493,6 +493,118 @@ def test_a_ready_pods_sequences_reach_it_from_the_moment_the_gateway_drops_it(
     assert ran_on_dropped > 0, "no call of pod 1's sequences reached it"
 
 
+def test_sequences_live_through_a_pod_added_one_scaled_down_and_one_drained(
+        two_pods: TwoPods) -> None:
+    """Under sequence load over both protocols, the membership changes of a day: a third pod
+    added, then pod 0 removed by a scale-down (its replica leaves first, saying it holds live
+    sequences) and pod 1 by a drain (its pod deleted: dropped from the ready ones before its
+    replica hears of it; its watch has read its sequences as live). Every call of every
+    sequence sums right to its END; calls without a sequence go to every ready pod, each
+    taking at least a quarter of them while three are ready, and none to a pod once it left."""
+    third = Pod(2, two_pods.pods[0].repository, two_pods.pods[0].backends,
+                two_pods.pods[0].log.with_name("triton-2.log"))
+    pods = [*two_pods.pods, third]
+    clients = {"grpc": tc.InferenceServerClient(two_pods.grpc),
+               "http": th.InferenceServerClient(two_pods.http)}
+    sums: dict[tuple[str, int], int] = {}
+    wrong: list[str] = []
+    plain = tc.InferInput("INPUT", [4], "FP32")
+    plain.set_data_from_numpy(np.ones(4, np.float32))
+
+    def step(protocol: str, sequence: int, start: bool = False, end: bool = False) -> None:
+        value = sequence % 100 + 1
+        sums[protocol, sequence] = sums.get((protocol, sequence), 0) + value
+        try:
+            got = _call(clients[protocol], sequence, value, start, end)
+        except InferenceServerException as error:
+            wrong.append(f"{protocol} sequence {sequence} call: {error}")
+            return
+        if got != sums[protocol, sequence]:
+            wrong.append(f"{protocol} sequence {sequence}: {got}, not {sums[protocol, sequence]}")
+
+    def round_of(live: list[tuple[str, int]], end: bool = False) -> None:
+        for protocol, sequence in live:
+            step(protocol, sequence, end=end)
+
+    def plain_calls(count: int) -> list[int]:
+        """`count` calls without a sequence from 4 callers at once: what each pod ran."""
+        before = [pod.executions(PLAIN) for pod in pods]
+
+        def some(n: int) -> None:
+            mine = tc.InferenceServerClient(two_pods.grpc)
+            try:
+                for _ in range(n):
+                    mine.infer(PLAIN, [plain])
+            except InferenceServerException as error:
+                wrong.append(f"a call without a sequence: {error}")
+            finally:
+                mine.close()
+
+        callers = [threading.Thread(target=some, args=(count // 4,)) for _ in range(4)]
+        for caller in callers:
+            caller.start()
+        for caller in callers:
+            caller.join(120)
+        return [pod.executions(PLAIN) - earlier for pod, earlier in zip(pods, before,
+                                                                         strict=True)]
+
+    live = ([("grpc", 10000 + s) for s in range(6)] + [("http", 11000 + s) for s in range(4)])
+    try:
+        with _Replicas(3) as replicas:
+            every = list(zip(pods, replicas.ports, strict=True))
+            two_pods.list_pods(two_pods.pods, every)
+            for protocol, sequence in live:
+                step(protocol, sequence, start=True)
+            round_of(live)
+            # Scale-up: a third pod, ready, while the sequences go on; more start.
+            third.start()
+            until("Triton 2 ready", third.ready, 120, every_s=0.5)
+            two_pods.list_pods(pods, every)
+            until("the gateway to count three Tritons ready",
+                  lambda: two_pods.healthy_ports(0)[0] == {p.ports.grpc for p in pods}
+                  or f"{two_pods.healthy_ports(0)} ready", 30)
+            fresh = [("grpc", 10100 + s) for s in range(6)]
+            for protocol, sequence in fresh:
+                step(protocol, sequence, start=True)
+            live += fresh
+            round_of(live)
+            with_three = plain_calls(360)
+            # What each replica's watch reads from its Triton (pod.py _watch_live): every pod
+            # ran calls of sequence_sum lately.
+            for holding in replicas.holdings:
+                holding.live = ["sequence_sum"]
+            until("the gateway to count all three healthy at priority 1 too",
+                  lambda: two_pods.healthy_ports(1)[0] == {p.ports.grpc for p in pods}
+                  or f"{two_pods.healthy_ports(1)} at priority 1", 30)
+            # Scale-down: pod 0's replica leaves (it says so first), then the Service drops it.
+            replicas.holdings[0].leaving = True
+            two_pods.list_pods(pods[1:], every)
+            until("the gateway to list pods 1 and 2 as ready",
+                  lambda: two_pods.healthy_ports(0)[0] == {p.ports.grpc for p in pods[1:]}
+                  or f"{two_pods.healthy_ports(0)} ready", 30)
+            round_of(live)
+            after_scale_down = plain_calls(40)
+            # Drain: pod 1 deleted; the endpoints drop it before its replica hears of it.
+            two_pods.list_pods(pods[2:], every)
+            until("the gateway to list pod 2 alone as ready",
+                  lambda: two_pods.healthy_ports(0)[0] == {third.ports.grpc}
+                  or f"{two_pods.healthy_ports(0)} ready", 30)
+            round_of(live)
+            after_drain = plain_calls(40)
+            round_of(live, end=True)
+    finally:
+        for client in clients.values():
+            client.close()
+        if third.process is not None:
+            terminate(third.process, 15)
+        two_pods.relist()
+    assert not wrong, f"{len(wrong)} wrong: {wrong[:5]}"
+    assert min(with_three) >= sum(with_three) // 4, f"calls per pod, three ready: {with_three}"
+    assert after_scale_down[0] == 0 and min(after_scale_down[1:]) > 0, (
+        f"calls per pod after pod 0's scale-down: {after_scale_down}")
+    assert after_drain[:2] == [0, 0], f"calls per pod after pod 1's drain: {after_drain}"
+
+
 class _SlowRefuser:
     """A Triton holding some other sequence (a stand-in: only the timing of its answer
     matters): it answers its gRPC health check, on its own port as on its holding port,
