@@ -234,35 +234,38 @@ def test_interleaved_sequences_are_each_summed_by_the_triton_holding_them(
         f"each call run once, by both Tritons: {ran}")
 
 
-def test_calls_without_a_sequence_are_still_balanced_per_call(two_pods: TwoPods) -> None:
-    """The retries that find a sequence's Triton leave other calls as they were: balanced per
-    call, every pod taking at least a quarter, none run twice."""
-    before = two_pods.executions(PLAIN)
-    client = tc.InferenceServerClient(two_pods.grpc)
+def _plain_calls(url: str, pods: list[Pod], count: int, errors: list[str]) -> list[int]:
+    """`count` calls without a sequence from 4 callers at once through the gateway at `url`:
+    how many each of `pods` ran; each call's error in `errors`."""
+    before = [pod.executions(PLAIN) for pod in pods]
     tensor = tc.InferInput("INPUT", [4], "FP32")
     tensor.set_data_from_numpy(np.ones(4, np.float32))
-    calls = 200
-    errors: list[str] = []
 
     def some(n: int) -> None:
-        mine = tc.InferenceServerClient(two_pods.grpc)
+        mine = tc.InferenceServerClient(url)
         try:
             for _ in range(n):
                 mine.infer(PLAIN, [tensor])
         except InferenceServerException as error:
-            errors.append(str(error))
+            errors.append(f"a call without a sequence: {error}")
         finally:
             mine.close()
 
-    workers = [threading.Thread(target=some, args=(calls // 4,)) for _ in range(4)]
+    workers = [threading.Thread(target=some, args=(count // 4,)) for _ in range(4)]
     for worker in workers:
         worker.start()
     for worker in workers:
         worker.join(timeout=120)
-    client.close()
+    return [pod.executions(PLAIN) - earlier for pod, earlier in zip(pods, before, strict=True)]
+
+
+def test_calls_without_a_sequence_are_still_balanced_per_call(two_pods: TwoPods) -> None:
+    """The retries that find a sequence's Triton leave other calls as they were: balanced per
+    call, every pod taking at least a quarter, none run twice."""
+    calls = 200
+    errors: list[str] = []
+    ran = _plain_calls(two_pods.grpc, two_pods.pods, calls, errors)
     assert not errors, errors[:3]
-    ran = [after - earlier for after, earlier in
-           zip(two_pods.executions(PLAIN), before, strict=True)]
     assert sum(ran) == calls and min(ran) >= calls // 4, f"calls per Triton: {ran}"
 
 
@@ -508,8 +511,6 @@ def test_sequences_live_through_a_pod_added_one_scaled_down_and_one_drained(
                "http": th.InferenceServerClient(two_pods.http)}
     sums: dict[tuple[str, int], int] = {}
     wrong: list[str] = []
-    plain = tc.InferInput("INPUT", [4], "FP32")
-    plain.set_data_from_numpy(np.ones(4, np.float32))
 
     def step(protocol: str, sequence: int, start: bool = False, end: bool = False) -> None:
         value = sequence % 100 + 1
@@ -525,28 +526,6 @@ def test_sequences_live_through_a_pod_added_one_scaled_down_and_one_drained(
     def round_of(live: list[tuple[str, int]], end: bool = False) -> None:
         for protocol, sequence in live:
             step(protocol, sequence, end=end)
-
-    def plain_calls(count: int) -> list[int]:
-        """`count` calls without a sequence from 4 callers at once: what each pod ran."""
-        before = [pod.executions(PLAIN) for pod in pods]
-
-        def some(n: int) -> None:
-            mine = tc.InferenceServerClient(two_pods.grpc)
-            try:
-                for _ in range(n):
-                    mine.infer(PLAIN, [plain])
-            except InferenceServerException as error:
-                wrong.append(f"a call without a sequence: {error}")
-            finally:
-                mine.close()
-
-        callers = [threading.Thread(target=some, args=(count // 4,)) for _ in range(4)]
-        for caller in callers:
-            caller.start()
-        for caller in callers:
-            caller.join(120)
-        return [pod.executions(PLAIN) - earlier for pod, earlier in zip(pods, before,
-                                                                         strict=True)]
 
     live = ([("grpc", 10000 + s) for s in range(6)] + [("http", 11000 + s) for s in range(4)])
     try:
@@ -568,7 +547,7 @@ def test_sequences_live_through_a_pod_added_one_scaled_down_and_one_drained(
                 step(protocol, sequence, start=True)
             live += fresh
             round_of(live)
-            with_three = plain_calls(360)
+            with_three = _plain_calls(two_pods.grpc, pods, 360, wrong)
             # What each replica's watch reads from its Triton (pod.py _watch_live): every pod
             # ran calls of sequence_sum lately.
             for holding in replicas.holdings:
@@ -583,14 +562,14 @@ def test_sequences_live_through_a_pod_added_one_scaled_down_and_one_drained(
                   lambda: two_pods.healthy_ports(0)[0] == {p.ports.grpc for p in pods[1:]}
                   or f"{two_pods.healthy_ports(0)} ready", 30)
             round_of(live)
-            after_scale_down = plain_calls(40)
+            after_scale_down = _plain_calls(two_pods.grpc, pods, 40, wrong)
             # Drain: pod 1 deleted; the endpoints drop it before its replica hears of it.
             two_pods.list_pods(pods[2:], every)
             until("the gateway to list pod 2 alone as ready",
                   lambda: two_pods.healthy_ports(0)[0] == {third.ports.grpc}
                   or f"{two_pods.healthy_ports(0)} ready", 30)
             round_of(live)
-            after_drain = plain_calls(40)
+            after_drain = _plain_calls(two_pods.grpc, pods, 40, wrong)
             round_of(live, end=True)
     finally:
         for client in clients.values():
