@@ -117,6 +117,10 @@ def ready_pods(serve_config: dict[str, Any]) -> int | None:
     return None
 
 
+# A round's tries per GPU pod that max_replicas allows (tries_per_priority).
+TRIES_PER_POD = 2
+
+
 def tries_per_priority(serve_config: dict[str, Any]) -> int | None:
     """The tries a sequence's call makes at one priority before the retry priority moves on
     (previous_priorities' update_frequency): twice max_replicas, since priority 1 lists every
@@ -124,7 +128,7 @@ def tries_per_priority(serve_config: dict[str, Any]) -> int | None:
     ready ones at priority 0 are fewer: a try beyond them asks one of them again). None when
     the Serve config names no max_replicas."""
     pods = ready_pods(serve_config)
-    return None if pods is None else 2 * pods
+    return None if pods is None else TRIES_PER_POD * pods
 
 
 # Rounds of tries_per_priority tries a sequence's call may need: at the ready pods
@@ -137,8 +141,8 @@ SEQUENCE_ROUNDS = 3
 
 def tries_needed(pods: int) -> int:
     """The tries a sequence's call may need to reach the pod holding it with `pods` as Serve's
-    max_replicas: SEQUENCE_ROUNDS rounds of tries_per_priority (2 x `pods`)."""
-    return SEQUENCE_ROUNDS * 2 * pods
+    max_replicas: SEQUENCE_ROUNDS rounds of tries_per_priority."""
+    return SEQUENCE_ROUNDS * TRIES_PER_POD * pods
 
 
 def sequence_retries(serve_config: dict[str, Any]) -> int:

@@ -35,7 +35,7 @@ from local_stack.settings import Settings, TritonPorts
 from tests.support.examples import SEQUENCE_EXAMPLES, sequence_example_passed
 from tests.support.lone_gateway import envoy_before
 from triton_pod.gateway_view import CLUSTERS_PATH, ready_tritons
-from triton_pod.holding import SERVING, Holding, HoldingAnswers
+from triton_pod.holding import Holding, HoldingAnswers
 from triton_pod.sequences import SEQUENCE_NOT_HELD
 
 pytestmark = pytest.mark.processes
@@ -140,6 +140,12 @@ class TwoPods:
 
     def executions(self, model: str) -> list[int]:
         return [pod.executions(model) for pod in self.pods]
+
+    def another_pod(self, index: int) -> Pod:
+        """A further GPU pod's Triton, with the same models, not yet started."""
+        first = self.pods[0]
+        return Pod(index, first.repository, first.backends,
+                   first.log.with_name(f"triton-{index}.log"))
 
     def relist(self) -> None:
         """Both pods ready again, none listed at priority 1, as each test found them."""
@@ -274,8 +280,7 @@ def test_a_pod_added_under_sequence_load_takes_no_live_sequence_over(two_pods: T
     again): every live sequence's sums stay right, new sequences and plain calls reach the new
     pod too."""
     client = tc.InferenceServerClient(two_pods.grpc)
-    third = Pod(2, two_pods.pods[0].repository, two_pods.pods[0].backends,
-                two_pods.pods[0].log.with_name("triton-2.log"))
+    third = two_pods.another_pod(2)
     live = {8000 + s: 0 for s in range(SEQUENCES)}
     wrong: list[str] = []
 
@@ -351,6 +356,34 @@ class _Replicas:
         self._thread.join(timeout=10)
 
 
+class _Sums:
+    """Sequences of sequence_sum through the gateway over both protocols: each call adds its
+    sequence's value (sequence % 100 + 1) and must answer the running sum; a wrong sum or a
+    refusal goes to `wrong`."""
+
+    def __init__(self, two_pods: TwoPods) -> None:
+        self.clients: dict[str, tc.InferenceServerClient | th.InferenceServerClient] = {
+            "grpc": tc.InferenceServerClient(two_pods.grpc),
+            "http": th.InferenceServerClient(two_pods.http)}
+        self.sums: dict[tuple[str, int], int] = {}
+        self.wrong: list[str] = []
+
+    def step(self, protocol: str, sequence: int, start: bool = False, end: bool = False) -> None:
+        value = sequence % 100 + 1
+        expected = self.sums[protocol, sequence] = self.sums.get((protocol, sequence), 0) + value
+        try:
+            got = _call(self.clients[protocol], sequence, value, start, end)
+        except InferenceServerException as error:
+            self.wrong.append(f"{protocol} sequence {sequence} call: {error}")
+            return
+        if got != expected:
+            self.wrong.append(f"{protocol} sequence {sequence}: {got}, not {expected}")
+
+    def close(self) -> None:
+        for client in self.clients.values():
+            client.close()
+
+
 def test_a_leaving_pod_gets_the_calls_of_the_sequences_it_holds_and_no_other(
         two_pods: TwoPods) -> None:
     """A scale-down stops pod 1's replica while its Triton holds live sequences: pod 1 leaves
@@ -359,19 +392,8 @@ def test_a_leaving_pod_gets_the_calls_of_the_sequences_it_holds_and_no_other(
     sequences reaches it over both protocols and sums right; plain calls and new sequences go
     to the ready pod only; once it holds nothing, a call of its sequence gets Triton's refusal."""
     kept, leaving = two_pods.pods
-    grpc_client = tc.InferenceServerClient(two_pods.grpc)
-    http_client = th.InferenceServerClient(two_pods.http)
-    clients = {"grpc": grpc_client, "http": http_client}
-    sums: dict[tuple[str, int], int] = {}
-    wrong: list[str] = []
-
-    def step(protocol: str, sequence: int, start: bool = False, end: bool = False) -> None:
-        value = sequence % 100 + 1
-        sums[protocol, sequence] = sums.get((protocol, sequence), 0) + value
-        got = _call(clients[protocol], sequence, value, start, end)
-        if got != sums[protocol, sequence]:
-            wrong.append(f"{protocol} sequence {sequence}: {got}, not {sums[protocol, sequence]}")
-
+    sums = _Sums(two_pods)
+    step, wrong, grpc_client = sums.step, sums.wrong, sums.clients["grpc"]
     held = [("grpc", 9500 + s) for s in range(5)] + [("http", 9600 + s) for s in range(5)]
     plain = tc.InferInput("INPUT", [4], "FP32")
     plain.set_data_from_numpy(np.ones(4, np.float32))
@@ -421,8 +443,7 @@ def test_a_leaving_pod_gets_the_calls_of_the_sequences_it_holds_and_no_other(
                 _call(grpc_client, 9500, 1, False, True)  # ended on pod 1: unknown anywhere
             two_pods.list_pods(two_pods.pods)
     finally:
-        grpc_client.close()
-        http_client.close()
+        sums.close()
         two_pods.relist()
     assert not wrong, f"{len(wrong)} wrong while pod 1 was leaving: {wrong[:5]}"
     # Pod 1 ran each held sequence's three calls; pod 0 the new sequences' two calls each (and
@@ -504,24 +525,10 @@ def test_sequences_live_through_a_pod_added_one_scaled_down_and_one_drained(
     replica hears of it; its watch has read its sequences as live). Every call of every
     sequence sums right to its END; calls without a sequence go to every ready pod, each
     taking at least a quarter of them while three are ready, and none to a pod once it left."""
-    third = Pod(2, two_pods.pods[0].repository, two_pods.pods[0].backends,
-                two_pods.pods[0].log.with_name("triton-2.log"))
+    third = two_pods.another_pod(2)
     pods = [*two_pods.pods, third]
-    clients = {"grpc": tc.InferenceServerClient(two_pods.grpc),
-               "http": th.InferenceServerClient(two_pods.http)}
-    sums: dict[tuple[str, int], int] = {}
-    wrong: list[str] = []
-
-    def step(protocol: str, sequence: int, start: bool = False, end: bool = False) -> None:
-        value = sequence % 100 + 1
-        sums[protocol, sequence] = sums.get((protocol, sequence), 0) + value
-        try:
-            got = _call(clients[protocol], sequence, value, start, end)
-        except InferenceServerException as error:
-            wrong.append(f"{protocol} sequence {sequence} call: {error}")
-            return
-        if got != sums[protocol, sequence]:
-            wrong.append(f"{protocol} sequence {sequence}: {got}, not {sums[protocol, sequence]}")
+    sums = _Sums(two_pods)
+    step, wrong = sums.step, sums.wrong
 
     def round_of(live: list[tuple[str, int]], end: bool = False) -> None:
         for protocol, sequence in live:
@@ -572,8 +579,7 @@ def test_sequences_live_through_a_pod_added_one_scaled_down_and_one_drained(
             after_drain = _plain_calls(two_pods.grpc, pods, 40, wrong)
             round_of(live, end=True)
     finally:
-        for client in clients.values():
-            client.close()
+        sums.close()
         if third.process is not None:
             terminate(third.process, 15)
         two_pods.relist()
@@ -586,8 +592,7 @@ def test_sequences_live_through_a_pod_added_one_scaled_down_and_one_drained(
 
 class _SlowRefuser:
     """A Triton holding some other sequence (a stand-in: only the timing of its answer
-    matters): it answers its gRPC health check, on its own port as on its holding port,
-    SERVING, and refuses every ModelInfer in Triton's words, but only once the test lets it."""
+    matters): it refuses every ModelInfer in Triton's words, but only once the test lets it."""
 
     def __init__(self) -> None:
         (self.port,) = free_ports(1)
@@ -605,15 +610,9 @@ class _SlowRefuser:
         raise AssertionError("grpc's abort raises; its type does not say so")
 
     def __enter__(self) -> _SlowRefuser:
-        def check(request: bytes, context: grpc.ServicerContext) -> bytes:
-            return SERVING
-
         self._server.add_generic_rpc_handlers((
-            grpc.method_handlers_generic_handler("grpc.health.v1.Health", {
-                "Check": grpc.unary_unary_rpc_method_handler(check)}),
             grpc.method_handlers_generic_handler("inference.GRPCInferenceService", {
-                "ModelInfer": grpc.unary_unary_rpc_method_handler(self._infer)}),
-        ))
+                "ModelInfer": grpc.unary_unary_rpc_method_handler(self._infer)}),))
         self._server.add_insecure_port(f"0.0.0.0:{self.port}")
         self._server.start()
         return self
@@ -638,10 +637,13 @@ def test_a_sequence_call_that_met_a_holding_pod_before_the_ready_ones_came_still
     sequence = 9900
     outcome: list[int | str] = []
     try:
-        with _Replicas(1) as replicas, _SlowRefuser() as other:
-            # Started on the holder itself, whose replica has not yet read it as live.
+        with _Replicas(2) as replicas, _SlowRefuser() as other:
+            # Started on the holder itself, whose replica has not yet read it as live; the
+            # other's replica holds its own live sequences.
             assert _call(direct, sequence, 1, True, False) == 1
-            every = [(holder.ports.grpc, replicas.ports[0][1]), (other.port, other.port)]
+            replicas.holdings[1].live = ["sequence_sum"]
+            every = [(holder.ports.grpc, replicas.ports[0][1]),
+                     (other.port, replicas.ports[1][1])]
             gateway.write_endpoints(two_pods.folder / "endpoints.json", [], every_pod=every)
             gateway.write_endpoints(two_pods.folder / "endpoints-http.json", [], HTTP_CLUSTER,
                                     every_pod=[(holder.ports.http, replicas.ports[0][0])])
