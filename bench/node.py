@@ -58,8 +58,8 @@ PATHS = ("direct", "gateway", "envoy-bare", "haproxy-l7", "l4", "gateway-checked
 # And without any retry (what keeping each request's copy for a retry costs, per byte).
 OPTIONAL_PATHS = ("gateway-no-sequences", "gateway-no-retries")
 # The gateway with every per-call check a site may configure that needs no identity provider:
-# bearer tokens, a tenant map and a tenant share no call reaches (gateway/start.sh then runs
-# the client checks on every call).
+# bearer tokens, a tenant map and a tenant share no call reaches (gateway/start.sh then checks
+# and names every call with Envoy's own filters, gateway/callers.sh).
 CHECKED_TOKEN = secrets.token_hex(16)
 CHECKED_TENANT = "bench"
 CHECKED_ENV = {"SONIC_RAY_TENANTS": f"{CHECKED_TENANT}=token:*",

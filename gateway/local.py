@@ -30,6 +30,10 @@ START = HERE / "start.sh"
 LUA_PATH = {"LUA_PATH": f"{HERE}/?.lua;;"}
 CLUSTER = routes.GRPC_CLUSTER
 MOUNTED_AT = tls.MOUNTED_AT
+# Where gateway/callers.sh writes the config of the filter `sonic-ray.callers` (the pod's /tmp,
+# as gateway/envoy.yaml names it), and the variable that tells it another file.
+CALLERS_FILTER = "sonic-ray.callers"
+CALLERS_FILE_ENV = "SONIC_RAY_CALLERS_FILE"
 
 
 def envoy_binary() -> Path:
@@ -58,7 +62,7 @@ def with_files_here(config: dict[str, Any], folder: Path = HERE) -> dict[str, An
         if str(source.get("filename", "")).startswith(MOUNTED_AT + "/"):
             source["filename"] = str(HERE / Path(source["filename"]).name)
     for source in filter(None, map(routes.discovery_source, routes.http_filters(config))):
-        if str(source["path"]).startswith(MOUNTED_AT + "/"):
+        if str(source["path"]).startswith((MOUNTED_AT + "/", str(callers_file(config).parent))):
             source["path"] = str(folder / Path(source["path"]).name)
             source["watched_directory"] = {"path": str(folder)}
     # The TLS chains' secrets as shipped (their certificates absent here, as in a pod without
@@ -133,10 +137,27 @@ def write_endpoints(path: Path, ports: Iterable[int], cluster: str = CLUSTER,
     os.replace(staged, path)
 
 
+def _callers_source(config: dict[str, Any]) -> dict[str, Any]:
+    for entry in routes.http_filters(config):
+        if entry.get("name") == CALLERS_FILTER:
+            return routes.discovery_source(entry)
+    raise ValueError(f"the config has no filter {CALLERS_FILTER}")
+
+
+def callers_file(config: dict[str, Any]) -> Path:
+    """The file the filter `sonic-ray.callers` reads its config from."""
+    return Path(_callers_source(config)["path"])
+
+
 def started(envoy_args: list[str]) -> list[str]:
     """Envoy with these arguments, started as the gateway's container starts it
-    (gateway/start.sh: the site's settings decide what runs on every call)."""
-    return ["env", f"ENVOY={envoy_binary()}", "sh", str(START), *envoy_args]
+    (gateway/start.sh: the site's settings decide what runs on every call); with a config
+    (after -c), gateway/callers.sh writes where that config reads."""
+    where = []
+    if "-c" in envoy_args:
+        config = yaml.safe_load(Path(envoy_args[envoy_args.index("-c") + 1]).read_text())
+        where = [f"{CALLERS_FILE_ENV}={callers_file(config)}"]
+    return ["env", f"ENVOY={envoy_binary()}", *where, "sh", str(START), *envoy_args]
 
 
 def command(config_path: Path, log_level: str = "warning") -> list[str]:
@@ -176,6 +197,12 @@ def validate(path: Path = CONFIG) -> int:
     with tempfile.TemporaryDirectory() as folder:
         certificates.write_local(Path(folder))
         with_certificates_at(config, Path(folder))
+        # The callers filter's config as gateway/start.sh writes it where no site checks.
+        callers = _callers_source(config)
+        callers.update(path=str(Path(folder) / "callers.yaml"),
+                       watched_directory={"path": folder})
+        subprocess.run(["bash", str(HERE / "callers.sh"), "off"], check=True,
+                       env={**os.environ, CALLERS_FILE_ENV: callers["path"]})
         staged = Path(folder) / "envoy.yaml"
         staged.write_text(yaml.safe_dump(config))
         return subprocess.run([str(envoy_binary()), "--mode", "validate", "-c", str(staged),

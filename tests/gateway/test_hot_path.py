@@ -8,8 +8,10 @@ yet the access log still names
 an anonymous caller, its protocol and (HTTP) its model; a job start runs the client checks;
 an error answer, and only that, runs the error answers' Lua, which turns Triton's queue-full
 UNAVAILABLE / 503 into RESOURCE_EXHAUSTED / 429 with a retry hint. With a site's tenants
-configured, every call runs the client checks. A client-sent admin header never reaches
-Triton on any route; the gateway's own reaches it on the routes that carry it."""
+configured, Envoy's own filters name every call's tenant (gateway/callers.sh) and the shares
+meet every call, still with no Lua; with a tenant claim, which only the Lua reads, every call
+runs the client checks. A client-sent admin header never reaches Triton on any route; the
+gateway's own reaches it on the routes that carry it."""
 
 from __future__ import annotations
 
@@ -46,28 +48,34 @@ CALLS = 10
 # Envoy's counters of the filters a site configures (gateway/envoy.yaml: sonic-ray.jwt,
 # sonic-ray.tenant-shares, whose stat_prefix gateway/tenant_shares.py writes).
 TOKEN_CHECK_RUNS, SHARES_RUNS = "jwt_authn.allowed", "tenant_shares.http_local_rate_limit.enabled"
-# Which settings each gateway runs with: nothing that checks or names callers, and a site's
-# tenant map (which names every caller: the checks run on every call).
-SETTINGS = {"nothing-configured": {}, "tenants": {"SONIC_RAY_TENANTS": "cms=*"}}
+# Which settings each gateway runs with: nothing that checks or names callers; a site's tenant
+# map, which names every caller (Envoy's own filters, gateway/callers.sh); the same with a
+# tenant claim, which only the client checks' Lua reads (the Lua on every call).
+SETTINGS = {"nothing-configured": {}, "tenants": {"SONIC_RAY_TENANTS": "cms=*"},
+            "tenant-claim": {"SONIC_RAY_TENANTS": "cms=*", "SONIC_RAY_TENANT_CLAIM": "group"}}
+# What gateway/start.sh says it runs on each call, for each.
+SAID = {"nothing-configured": "the client checks run on job starts only",
+        "tenants": "the callers are checked and named on every call by Envoy's own filters",
+        "tenant-claim": "the client checks run on every call"}
 
 
 @dataclass
 class Case:
     lone: LoneGateway
-    # Whether the settings check or name callers (gateway/start.sh: the checks on every call).
-    checked_always: bool
+    # Whether calls other than job starts meet the shares and name their tenant (the settings
+    # name callers), and whether the client checks' Lua (and the token check) runs on them.
+    named_always: bool
+    lua_always: bool
 
 
 @pytest.fixture(scope="module", params=list(SETTINGS))
 def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
          ) -> Iterator[Case]:
     env = {"SONIC_RAY_RETRY_AFTER_S": str(RETRY_AFTER_S), **SETTINGS[request.param]}
-    checked_always = bool(SETTINGS[request.param])
     with lone_gateway(tmp_path_factory.mktemp(request.param), env) as running:
         said = running.log.read_text()
-        assert ("run on every call" if checked_always else "run on job starts only") in said, (
-            said[-2000:])
-        yield Case(running, checked_always)
+        assert SAID[request.param] in said, said[-2000:]
+        yield Case(running, bool(SETTINGS[request.param]), request.param == "tenant-claim")
 
 
 def _infer(client: tc.InferenceServerClient, model: str,
@@ -92,8 +100,8 @@ def test_calls_other_than_job_starts_run_no_lua_unless_callers_are_checked(case:
         assert status == 200
     after = lone.executions()
     # The error answers' Lua never runs on a call that succeeds; the client checks only where
-    # the site checks or names callers.
-    expected = 2 * CALLS if case.checked_always else 0
+    # the site's checks need the Lua.
+    expected = 2 * CALLS if case.lua_always else 0
     assert after[ANY] - before[ANY] == expected, (before, after)
     assert after[CHECKS] - before[CHECKS] == expected, (before, after)
 
@@ -105,7 +113,7 @@ def test_calls_other_than_job_starts_run_no_lua_unless_callers_are_checked(case:
     until("the calls' access log lines",
           lambda: len(calls_logged()) >= 2 * CALLS or len(calls_logged()), 3)
     lines = calls_logged()
-    tenant = "cms" if case.checked_always else "anonymous"
+    tenant = "cms" if case.named_always else "anonymous"
     assert {(line["identity"], line["tenant"]) for line in lines} == {("anonymous", tenant)}
     assert {line["protocol"] for line in lines} == {"grpc", "http"}
     assert {line["model"] for line in lines if line["protocol"] == "http"} == {"simple"}
@@ -154,12 +162,12 @@ def test_calls_other_than_job_starts_make_no_token_check_nor_shares_unless_calle
         after = _filter_runs(lone)
     finally:
         tenant_shares.write(shares, lone.settings.tenant_shares())
-    expected = CALLS if case.checked_always else 0
-    assert {k: inference[k] - before[k] for k in before} == dict.fromkeys(before, expected), (
-        before, inference)
+    expected = {TOKEN_CHECK_RUNS: CALLS if case.lua_always else 0,
+                SHARES_RUNS: CALLS if case.named_always else 0}
+    assert {k: inference[k] - before[k] for k in before} == expected, (before, inference)
     # The job start met both; HTTP inference as gRPC's.
-    assert {k: after[k] - inference[k] for k in before} == dict.fromkeys(before, 1 + expected), (
-        inference, after)
+    assert {k: after[k] - inference[k] for k in before} == {k: 1 + v for k, v in expected.items()
+                                                          }, (inference, after)
 
 
 def _reloads(lone: LoneGateway) -> int:
@@ -255,8 +263,8 @@ def test_no_triton_ready_is_said_with_when_to_retry_by_the_error_answers_alone(
     assert (status, headers.get("retry-after")) == (503, str(RETRY_AFTER_S)), (status, headers)
     assert NO_TRITON in json.loads(body)["error"], body
     assert after[ERRORS] - before[ERRORS] == 2, (before, after)
-    # Inference calls: the client checks' Lua only where callers are checked.
-    assert after[CHECKS] - before[CHECKS] == (2 if case.checked_always else 0), (before, after)
+    # Inference calls: the client checks' Lua only where the site's checks need it.
+    assert after[CHECKS] - before[CHECKS] == (2 if case.lua_always else 0), (before, after)
     until("the stand-in Triton back in rotation", lambda: _carried(lone), 15)
 
 

@@ -26,7 +26,7 @@ from tests.support.echo import (
     outcome,
     stream_with_token,
 )
-from tests.support.lone_gateway import LoneGateway, lone_gateway
+from tests.support.lone_gateway import CHECKS, ERRORS, LoneGateway, envoy_before, lone_gateway
 from tests.support.raw_http import request
 
 pytestmark = pytest.mark.processes
@@ -149,6 +149,19 @@ def test_each_call_is_recorded_with_its_caller_and_tenant(tokens: TokenGateway) 
         if line["identity"] == "token:alice" and line["protocol"] == "grpc"), (counted, lines)
 
 
+def test_checked_calls_run_no_lua(tokens: TokenGateway) -> None:
+    """Tokens and a tenant map are checked by Envoy's own filters (gateway/callers.sh): an
+    inference, passed or refused, runs no client checks' Lua; a refusal runs the error answers'
+    Lua only, as every error answer does."""
+    assert "by Envoy's own filters" in tokens.lone.log.read_text()
+    before = tokens.lone.executions()
+    made = [infer_with_token(tokens.url, token) for token in (FIRST, SECOND, "not-a-token")]
+    assert made[:2] == ["OK", "OK"] and made[2].startswith("StatusCode.UNAUTHENTICATED"), made
+    after = tokens.lone.executions()
+    assert after[CHECKS] == before[CHECKS] and after[ERRORS] == before[ERRORS] + 1, (before,
+                                                                                    after)
+
+
 def test_a_rotated_secret_takes_effect_without_a_restart(tokens: TokenGateway) -> None:
     # Kubelet swaps a Secret volume's files by renaming; so does this.
     staged = tokens.tokens_file.with_name("tokens.new")
@@ -169,3 +182,20 @@ def test_tokens_appear_in_no_log(tokens: TokenGateway) -> None:
         data = path.read_bytes()
         for token in (FIRST, SECOND, ROTATED, LEAKED):
             assert token.encode() not in data, f"{token} in {path}"
+
+
+def test_with_no_token_file_yet_every_call_is_refused(tmp_path: Path) -> None:
+    """A Secret not yet mounted: Envoy starts, and refuses every call as it refuses an unknown
+    token, until the file comes."""
+    with envoy_before(tmp_path, {"SONIC_RAY_AUTH_TOKENS_FILE": str(tmp_path / "absent")},
+                      [], []) as (settings, log, _, _):
+        url = f"localhost:{settings.grpc_port}"
+
+        def refused() -> object:
+            answer = infer_with_token(url, FIRST)
+            return ("UNAUTHENTICATED" in answer and "missing or invalid bearer token" in answer
+                    ) or answer
+
+        until("Envoy to refuse calls", refused, 30)
+        assert http_refusals(f"localhost:{settings.http_port}", (FIRST, None)) == []
+        assert "cannot be read yet: every call is refused" in log.read_text()
