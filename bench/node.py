@@ -57,13 +57,22 @@ PATHS = ("direct", "gateway", "envoy-bare", "haproxy-l7", "l4", "gateway-checked
 # Triton (what those cost calls without a sequence: the stateful-sequences issue's bound).
 # And without any retry (what keeping each request's copy for a retry costs, per byte).
 OPTIONAL_PATHS = ("gateway-no-sequences", "gateway-no-retries")
-# The gateway with every per-call check a site may configure that needs no identity provider:
-# bearer tokens, a tenant map and a tenant share no call reaches (gateway/start.sh then checks
-# and names every call with Envoy's own filters, gateway/callers.sh).
+# The gateway with the per-call checks of the hot-path issue's target: bearer tokens, a JWT
+# issuer (jwt_authn on every call; its key below signs no call here) and a tenant map with a
+# share no call reaches; every call carries a static token (gateway/start.sh then checks and
+# names such calls with Envoy's own filters, gateway/callers.sh; a JWT would meet the Lua).
 CHECKED_TOKEN = secrets.token_hex(16)
 CHECKED_TENANT = "bench"
 CHECKED_ENV = {"SONIC_RAY_TENANTS": f"{CHECKED_TENANT}=token:*",
                "SONIC_RAY_TENANT_SHARES": f"{CHECKED_TENANT}=1000000"}
+CHECKED_ISSUER = "https://idp.bench.invalid"
+CHECKED_JWKS = {"keys": [{"kty": "RSA", "kid": "bench", "alg": "RS256", "use": "sig", "e": "AQAB",
+                          "n": (
+    "zJVK1xAAYo5WqeLALFMnHTVEEUiXF0a3Pli0wpP7Hwij6nZbQLrgyh3x7XCz3lsl86kHCw5J3XFQiqrE"
+    "whvE9nCthZYsu_nzD0khdwOsh9AA0EaoP32ve4iqQn2aNmkBhtiEBYxqHoorS7WbJrfxUGvY9au6oCXJ"
+    "STOvy6OF9et1G6LbjtO2m2QfGQ3LuIB-IRrdhFLbrNtfZcmYhoS027Zave7dECincU7m5-"
+    "zQ215Vdhi7zfNt3YL5EracVuesPW6XJgkxlllA2DByDbYeM1J8Zp_PS9BhQvhf4O1rlTSyQHokW3d3cS"
+    "wah2pRCynu9MLJ24ij1JoWqq7EapwO0Q")}]}
 HEADERS = {"gateway-checked": {"authorization": f"Bearer {CHECKED_TOKEN}"}}
 # (size, calls in flight): the node's cells, and small c8 (this machine's targets).
 CELLS = (("small", 1), ("small", 8), ("small", 64), ("small", 256), ("1MiB", 16))
@@ -125,11 +134,13 @@ def _ready(url: str, headers: dict[str, str] | None = None) -> object:
 
 
 def gateway_config(folder: Path, triton_grpc: list[int], triton_http: list[int],
-                   shares: dict[str, int] | None = None) -> tuple[Path, Settings]:
-    """The shipped config as make local runs it, its Tritons those on these ports."""
+                   shares: dict[str, int] | None = None,
+                   env: dict[str, str] | None = None) -> tuple[Path, Settings]:
+    """The shipped config as make local runs it (with `env` among its settings), its Tritons
+    those on these ports."""
     names = ("GRPC_PORT", "HTTP_PORT", "GATEWAY_METRICS_PORT", "GATEWAY_ADMIN_PORT",
              "ADMISSION_PORT")
-    settings = Settings.from_env({**os.environ, **dict(zip(names, map(
+    settings = Settings.from_env({**os.environ, **(env or {}), **dict(zip(names, map(
         str, free_ports(len(names))), strict=True))})
     return write_lone_config(settings, folder, triton_grpc, triton_http, shares), settings
 
@@ -206,13 +217,18 @@ def proxies(work: Path, triton_grpc: int, triton_http: int, cores: Cores,
             [*envoy_args, str(config_path)])), work / "gateway.log", env)
         addresses["gateway"] = f"localhost:{settings.grpc_port}"
     if "gateway-checked" in paths:
-        path, checked_settings = gateway_config(work / "checked", [triton_grpc], [triton_http],
-                                                {CHECKED_TENANT: 1000000})
+        (work / "checked").mkdir(parents=True, exist_ok=True)
+        jwks = work / "checked" / "jwks.json"
+        jwks.write_text(json.dumps(CHECKED_JWKS))
+        path, checked_settings = gateway_config(
+            work / "checked", [triton_grpc], [triton_http], {CHECKED_TENANT: 1000000},
+            {"JWT_ISSUER": CHECKED_ISSUER, "JWT_AUDIENCE": "triton", "JWKS_FILE": str(jwks)})
         tokens = work / "checked" / "tokens"
         tokens.write_text(f"{CHECKED_TENANT} {CHECKED_TOKEN}\n")
         started["gateway-checked"] = spawn(cores.pinned(cores.proxy, gateway.started(
             [*envoy_args, str(path)])), work / "gateway-checked.log",
-            {**env, **CHECKED_ENV, TOKENS_FILE_ENV: str(tokens)})
+            {**gateway_env(checked_settings, secrets.token_hex(16)), **CHECKED_ENV,
+             TOKENS_FILE_ENV: str(tokens)})
         addresses["gateway-checked"] = f"localhost:{checked_settings.grpc_port}"
     for name, change in (("gateway-no-sequences", without_sequence_retries),
                          ("gateway-no-retries", without_retries)):

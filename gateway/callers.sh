@@ -2,10 +2,10 @@
 # Who may call and who called, checked by Envoy's own filters instead of a Lua on every call:
 # writes the config of the filter `sonic-ray.callers` (gateway/envoy.yaml), which Envoy reads by
 # discovery from the file SONIC_RAY_CALLERS_FILE (the pod's /tmp, an emptyDir) and re-reads when
-# it is replaced. gateway/start.sh runs this where the site's checks need nothing but the call's
-# headers: bearer tokens (components/token-auth), tenants (SONIC_RAY_TENANTS) and tenant shares
-# (SONIC_RAY_TENANT_SHARES), without JWTs, certificate subjects or a tenant claim, which
-# gateway/client-checks.lua keeps checking.
+# it is replaced. gateway/start.sh runs this where the site checks what a call's headers say:
+# bearer tokens (components/token-auth), tenants (SONIC_RAY_TENANTS) and tenant shares
+# (SONIC_RAY_TENANT_SHARES), and JWTs beside them; not certificate subjects, which
+# gateway/client-checks.lua checks on every call.
 #
 #   callers.sh native [ENVOY_PID]  the checks of these settings; with ENVOY_PID, again every
 #                                  2 s while that process runs, re-reading the tokens file
@@ -24,6 +24,9 @@
 #   by line number; nothing here writes a token anywhere but the config file.
 # * Without tokens, every call's caller is anonymous and its tenant the one the tenant map
 #   gives `anonymous`.
+# * With SONIC_RAY_JWT_ISSUER, a call without a static token (a JWT, none, or one not known)
+#   goes to the client checks' Lua instead of the refusal, inside this filter: the Lua checks
+#   and names it, or refuses it in its words, as where it runs on every call.
 # The tenant of `token:<name>`: the first SONIC_RAY_TENANTS entry (";"-separated
 # `tenant=pattern`, "*" any run of characters) whose pattern matches it, else the name; a share
 # of SONIC_RAY_TENANT_SHARES (`tenant=calls/s`) is recorded for the refusal's words
@@ -34,6 +37,8 @@ out=${SONIC_RAY_CALLERS_FILE:-/tmp/sonic-ray-callers/callers.yaml}
 mode=${1:?usage: callers.sh native [ENVOY_PID] | off}
 envoy_pid=${2:-}
 tokens_file=${SONIC_RAY_AUTH_TOKENS_FILE:-}
+jwt_issuer=$(printf '%s' "${SONIC_RAY_JWT_ISSUER:-}" | tr -d ' \t;')
+here=$(cd "$(dirname "$0")" && pwd)
 recheck_s=2
 
 say() { echo "[gateway] callers: $*" >&2; }
@@ -113,7 +118,13 @@ EXTENSION='"@type": type.googleapis.com/envoy.config.core.v3.TypedExtensionConfi
 SET_METADATA='"@type": type.googleapis.com/envoy.extensions.filters.http.set_metadata.v3.Config'
 EXECUTE='"@type": type.googleapis.com/envoy.extensions.filters.http.composite.v3.ExecuteFilterAction'
 FAULT='{"@type": "type.googleapis.com/envoy.extensions.filters.http.fault.v3.HTTPFault", "abort": {"http_status": 401, "percentage": {"numerator": 100}}}'
-REFUSE="{\"name\": \"refuse\", \"typed_config\": $FAULT}"
+# The client checks' Lua (as gateway/envoy.yaml runs it on job starts, counted alike).
+LUA="{\"@type\": \"type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua\", \"stat_prefix\": \"client_checks\", \"default_source_code\": {\"filename\": \"$(json "$here/client-checks.lua")\"}}"
+# What a call without a known static token meets: the refusal, or with a JWT issuer the Lua.
+OTHERWISE=$FAULT OTHERWISE_SAID="every call is refused"
+if [ -n "$jwt_issuer" ]; then
+  OTHERWISE=$LUA OTHERWISE_SAID="every call goes to the client checks' Lua (JWTs)"
+fi
 
 # The config, replaced whole by a rename (what Envoy's directory watch reacts to).
 publish() {
@@ -135,7 +146,11 @@ elif [ "$mode" != native ]; then
   exit 2
 fi
 
-if [ -z "$tokens_file" ]; then
+if [ -z "$tokens_file" ] && [ -n "$jwt_issuer" ]; then
+  publish "$(resource "$LUA" "no static tokens: the client checks' Lua checks every call")"
+  say "no static tokens: the client checks' Lua checks every call (JWTs)"
+  exit 0
+elif [ -z "$tokens_file" ]; then
   publish "$(resource "{$SET_METADATA, \"metadata\": [$(caller_metadata anonymous "")]}" \
     "no tokens: every caller anonymous")"
   say "no tokens: every caller is anonymous, its tenant recorded by Envoy's own filters"
@@ -148,9 +163,9 @@ written=no
 # Before any good tokens: every call refused, said once.
 refuse_all() {
   [ "$written" = no ] || return 0
-  publish "$(resource "$FAULT" "no token yet: every call refused")"
+  publish "$(resource "$OTHERWISE" "no token yet: $OTHERWISE_SAID")"
   written=refusing
-  say "the tokens file $tokens_file $1 yet: every call is refused"
+  say "the tokens file $tokens_file $1 yet: $OTHERWISE_SAID"
 }
 # The tokens file as a matcher per token; nothing written while it has none.
 load() {
@@ -206,7 +221,7 @@ load() {
       xds_matcher:
         matcher_list:
           matchers:$matchers
-        on_no_match: {\"action\": {\"name\": \"refuse\", \"typed_config\": {$EXECUTE, \"typed_config\": $REFUSE}}}" \
+        on_no_match: {\"action\": {\"name\": \"otherwise\", \"typed_config\": {$EXECUTE, \"typed_config\": {\"name\": \"otherwise\", \"typed_config\": $OTHERWISE}}}}" \
     "${#tokens[@]} token(s) from the tokens file")"
   loaded=$text
   written=yes

@@ -20,11 +20,12 @@
 --   answer).
 --
 -- Where this runs (gateway/envoy.yaml): on the job-start routes always; on every other call
--- only where a site checks JWTs, certificate subjects or a tenant claim (gateway/start.sh
--- decides from the same settings). Where it checks only tokens, tenants and shares, Envoy's
--- own filters do it on those calls (gateway/callers.sh writes their config from the same
--- settings and file, in the same words); where it checks nothing, they strip the admin headers
--- and record an anonymous caller. No Lua runs on such a call.
+-- where a site checks certificate subjects (gateway/start.sh decides from the same settings).
+-- Where it checks tokens, tenants and shares, Envoy's own filters check and name such calls
+-- (gateway/callers.sh writes their config from the same settings and file, in the same
+-- words); beside a JWT issuer they do so for calls with a static token and run this Lua, as
+-- their fallback, for the others. Where a site checks nothing, Envoy's own filters strip the
+-- admin headers and record an anonymous caller. No Lua runs on a call they handle.
 --
 -- Client certificates (components/mtls): Envoy's handshake has checked that the CA signed the
 -- certificate; when SONIC_RAY_CLIENT_SUBJECTS lists patterns (";"-separated, "*" any run of

@@ -32,7 +32,7 @@ CLUSTER = routes.GRPC_CLUSTER
 MOUNTED_AT = tls.MOUNTED_AT
 # Where gateway/callers.sh writes the config of the filter `sonic-ray.callers` (the pod's /tmp,
 # as gateway/envoy.yaml names it), and the variable that tells it another file.
-CALLERS_FILTER = "sonic-ray.callers"
+CALLERS_FILTER = routes.CALLERS_FILTER
 CALLERS_FILE_ENV = "SONIC_RAY_CALLERS_FILE"
 
 

@@ -54,6 +54,12 @@ TRIES_PER_PRIORITY_LINE = re.compile(r"^(\s*update_frequency: &tries-per-priorit
                                      re.M)
 
 
+# The filter gateway/callers.sh writes the config of (gateway/envoy.yaml), and a route's word
+# that a filter stays out of its calls.
+CALLERS_FILTER = "sonic-ray.callers"
+FILTER_OFF = {"@type": "type.googleapis.com/envoy.config.route.v3.FilterConfig", "disabled": True}
+
+
 def allowed_admin_rpcs(serve_config: dict[str, Any]) -> list[str]:
     for app in serve_config.get("applications") or []:
         allowed = (app.get("args") or {}).get("allowed_admin_rpcs")
@@ -68,9 +74,12 @@ def _refused(match: dict[str, Any], message: str) -> dict[str, Any]:
 
 
 def _with_admin_key(match: dict[str, Any], route: dict[str, Any], header: str) -> dict[str, Any]:
-    # The key comes from the gateway's own environment, never from the client.
+    # The key comes from the gateway's own environment, never from the client. The client
+    # checks' Lua checks these calls (RepositoryIndex is a job start), so the callers filter,
+    # whose fallback may be that same Lua, is off here.
     return {"match": match, "route": route, "request_headers_to_add": [
-        {"header": {"key": header, "value": f"%ENVIRONMENT({ADMIN_KEY_ENV})%"}}]}
+        {"header": {"key": header, "value": f"%ENVIRONMENT({ADMIN_KEY_ENV})%"}}],
+        "typed_per_filter_config": {CALLERS_FILTER: FILTER_OFF}}
 
 
 def refused_routes(allowed: list[str]) -> list[dict[str, Any]]:

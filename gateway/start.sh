@@ -5,11 +5,13 @@
 # * What checks calls other than job starts: nothing where the site neither checks nor names
 #   its callers (the runtime key sonic_ray.calls_unchecked of gateway/envoy.yaml routes them
 #   past every check, and Envoy's own filters record an anonymous caller); Envoy's own filters
-#   where the site checks only what a call's headers say (bearer tokens, tenants, tenant
-#   shares: sonic_ray.callers_native, their config written by gateway/callers.sh, which re-reads
-#   the tokens file beside Envoy); the client checks' Lua (gateway/client-checks.lua) where
-#   it checks JWTs, certificate subjects or a tenant claim, or with components/mtls. Envoy
-#   started without this script runs the Lua on every call.
+#   where the site checks what a call's headers say (bearer tokens, tenants, tenant shares:
+#   sonic_ray.callers_native, their config written by gateway/callers.sh, which re-reads the
+#   tokens file beside Envoy); with a JWT issuer too, the same for calls with a static token,
+#   and the client checks' Lua (gateway/client-checks.lua) for the others
+#   (sonic_ray.callers_native_jwt); the Lua on every call where the site checks certificate
+#   subjects or runs components/mtls. Envoy started without this script runs the Lua on every
+#   call.
 # * The client listeners' transport (gateway/envoy.yaml, filter_chain_matcher): SONIC_RAY_TLS
 #   unset or empty in clear, `server` TLS (components/tls), `mutual` TLS with client
 #   certificates (components/mtls), which name every caller, so the checks run on every call;
@@ -22,6 +24,7 @@ set -eu
 here=$(dirname "$0")
 unchecked=100
 native=0
+native_jwt=0
 tls_server=0
 tls_mutual=0
 case "${SONIC_RAY_TLS:-}" in
@@ -38,19 +41,20 @@ for value in "${SONIC_RAY_AUTH_TOKENS_FILE:-}" "${SONIC_RAY_JWT_ISSUER:-}" \
   # A value of blanks and ";" only names nothing, as client-checks.lua reads it.
   if [ -n "$(printf '%s' "$value" | tr -d ' \t;')" ]; then unchecked=0; fi
 done
-if [ "$unchecked" = 0 ]; then
-  native=100
-  # What only the Lua checks: a certificate's subject (mutual TLS), a JWT and its claims.
-  for value in "${SONIC_RAY_JWT_ISSUER:-}" "${SONIC_RAY_CLIENT_SUBJECTS:-}" \
-      "${SONIC_RAY_TENANT_CLAIM:-}"; do
-    if [ -n "$(printf '%s' "$value" | tr -d ' \t;')" ]; then native=0; fi
-  done
-  if [ "$tls_mutual" = 100 ]; then native=0; fi
+named() { [ -n "$(printf '%s' "$1" | tr -d ' \t;')" ]; }
+if [ "$unchecked" = 0 ] && [ "$tls_mutual" = 0 ] && ! named "${SONIC_RAY_CLIENT_SUBJECTS:-}"; then
+  # What only the Lua checks on every call: a certificate's subject (mutual TLS).
+  if named "${SONIC_RAY_JWT_ISSUER:-}"; then native_jwt=100; else native=100; fi
 fi
 export LUA_PATH="$here/?.lua;;"
-if [ "$native" = 100 ]; then
-  echo "[gateway] the callers are checked and named on every call by Envoy's own filters" \
-    "(tokens, tenants, shares: gateway/callers.sh); the client checks run on job starts" >&2
+if [ "$native" = 100 ] || [ "$native_jwt" = 100 ]; then
+  if [ "$native" = 100 ]; then
+    echo "[gateway] the callers are checked and named on every call by Envoy's own filters" \
+      "(tokens, tenants, shares: gateway/callers.sh); the client checks run on job starts" >&2
+  else
+    echo "[gateway] calls with a static token are checked and named by Envoy's own filters" \
+      "(gateway/callers.sh); the client checks run on the others (JWTs) and on job starts" >&2
+  fi
   bash "$here/callers.sh" native || exit 2
   bash "$here/callers.sh" native "$$" &
 elif [ "$unchecked" = 0 ]; then
@@ -68,4 +72,4 @@ echo "[gateway] client listeners ${transport:-speak TLS only (SONIC_RAY_TLS=${SO
 export SONIC_RAY_GATE_WORD="${TMPDIR:-/tmp}/sonic-ray-gate-word.$$"
 bash "$here/gate-word.sh" "$$" &
 exec "${ENVOY:-envoy}" "$@" --file-flush-interval-msec 1000 --config-yaml \
-  "{layered_runtime: {layers: [{name: site, static_layer: {sonic_ray.calls_unchecked: $unchecked, sonic_ray.callers_native: $native, sonic_ray.tls_server: $tls_server, sonic_ray.tls_mutual: $tls_mutual}}]}}"
+  "{layered_runtime: {layers: [{name: site, static_layer: {sonic_ray.calls_unchecked: $unchecked, sonic_ray.callers_native: $native, sonic_ray.callers_native_jwt: $native_jwt, sonic_ray.tls_server: $tls_server, sonic_ray.tls_mutual: $tls_mutual}}]}}"

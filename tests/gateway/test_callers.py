@@ -176,3 +176,30 @@ def test_no_token_yet_refuses_every_call_then_a_good_file_is_read_and_kept(
     finally:
         rereading.kill()
         rereading.wait()
+
+
+LUA = "type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua"
+
+
+def _is_client_checks(config: dict[str, Any]) -> bool:
+    return bool(config["@type"] == LUA and config["stat_prefix"] == "client_checks" and
+                config["default_source_code"]["filename"] == str(local.HERE /
+                                                                 "client-checks.lua"))
+
+
+def test_beside_a_jwt_issuer_calls_without_a_static_token_go_to_the_lua(tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text("alice tok-a\n")
+    jwt = {"SONIC_RAY_JWT_ISSUER": "https://idp.example"}
+    done = _run(tmp_path, "native", **{TOKENS_ENV: str(tokens)}, **jwt)
+    assert done.returncode == 0, done.stderr
+    config = _config(tmp_path)
+    assert [meta for _, meta in _callers(config)] == [{"identity": "token:alice",
+                                                       "tenant": "alice"}]
+    assert _is_client_checks(config["xds_matcher"]["on_no_match"]["action"]["typed_config"][
+        "typed_config"]["typed_config"])
+    # No tokens file, or none readable yet: the Lua checks every call (JWTs), none refused here.
+    for env in ({}, {TOKENS_ENV: str(tmp_path / "absent")}):
+        done = _run(tmp_path, "native", **env, **jwt)
+        assert done.returncode == 0 and "client checks' Lua" in done.stderr, done.stderr
+        assert _is_client_checks(_config(tmp_path))

@@ -9,9 +9,10 @@ an anonymous caller, its protocol and (HTTP) its model; a job start runs the cli
 an error answer, and only that, runs the error answers' Lua, which turns Triton's queue-full
 UNAVAILABLE / 503 into RESOURCE_EXHAUSTED / 429 with a retry hint. With a site's tenants
 configured, Envoy's own filters name every call's tenant (gateway/callers.sh) and the shares
-meet every call, still with no Lua; with a tenant claim, which only the Lua reads, every call
-runs the client checks. A client-sent admin header never reaches Triton on any route; the
-gateway's own reaches it on the routes that carry it."""
+meet every call, still with no Lua (where the Lua still runs on every call: certificate
+subjects, tests/gateway/test_subjects.py; JWTs, tests/gateway/test_jwt.py). A client-sent admin
+header never reaches Triton on any route; the gateway's own reaches it on the routes that carry
+it."""
 
 from __future__ import annotations
 
@@ -48,24 +49,20 @@ CALLS = 10
 # Envoy's counters of the filters a site configures (gateway/envoy.yaml: sonic-ray.jwt,
 # sonic-ray.tenant-shares, whose stat_prefix gateway/tenant_shares.py writes).
 TOKEN_CHECK_RUNS, SHARES_RUNS = "jwt_authn.allowed", "tenant_shares.http_local_rate_limit.enabled"
-# Which settings each gateway runs with: nothing that checks or names callers; a site's tenant
-# map, which names every caller (Envoy's own filters, gateway/callers.sh); the same with a
-# tenant claim, which only the client checks' Lua reads (the Lua on every call).
-SETTINGS = {"nothing-configured": {}, "tenants": {"SONIC_RAY_TENANTS": "cms=*"},
-            "tenant-claim": {"SONIC_RAY_TENANTS": "cms=*", "SONIC_RAY_TENANT_CLAIM": "group"}}
+# Which settings each gateway runs with: nothing that checks or names callers, and a site's
+# tenant map, which names every caller (Envoy's own filters, gateway/callers.sh).
+SETTINGS = {"nothing-configured": {}, "tenants": {"SONIC_RAY_TENANTS": "cms=*"}}
 # What gateway/start.sh says it runs on each call, for each.
 SAID = {"nothing-configured": "the client checks run on job starts only",
-        "tenants": "the callers are checked and named on every call by Envoy's own filters",
-        "tenant-claim": "the client checks run on every call"}
+        "tenants": "the callers are checked and named on every call by Envoy's own filters"}
 
 
 @dataclass
 class Case:
     lone: LoneGateway
     # Whether calls other than job starts meet the shares and name their tenant (the settings
-    # name callers), and whether the client checks' Lua (and the token check) runs on them.
+    # name callers).
     named_always: bool
-    lua_always: bool
 
 
 @pytest.fixture(scope="module", params=list(SETTINGS))
@@ -75,7 +72,7 @@ def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     with lone_gateway(tmp_path_factory.mktemp(request.param), env) as running:
         said = running.log.read_text()
         assert SAID[request.param] in said, said[-2000:]
-        yield Case(running, bool(SETTINGS[request.param]), request.param == "tenant-claim")
+        yield Case(running, bool(SETTINGS[request.param]))
 
 
 def _infer(client: tc.InferenceServerClient, model: str,
@@ -99,11 +96,10 @@ def test_calls_other_than_job_starts_run_no_lua_unless_callers_are_checked(case:
                                          {"content-type": "application/json"})
         assert status == 200
     after = lone.executions()
-    # The error answers' Lua never runs on a call that succeeds; the client checks only where
-    # the site's checks need the Lua.
-    expected = 2 * CALLS if case.lua_always else 0
-    assert after[ANY] - before[ANY] == expected, (before, after)
-    assert after[CHECKS] - before[CHECKS] == expected, (before, after)
+    # The error answers' Lua never runs on a call that succeeds, nor the client checks on one
+    # that is not a job start.
+    assert after[ANY] - before[ANY] == 0, (before, after)
+    assert after[CHECKS] - before[CHECKS] == 0, (before, after)
 
     def calls_logged() -> list[dict[str, Any]]:
         return [line for line in lone.log_lines()
@@ -162,8 +158,7 @@ def test_calls_other_than_job_starts_make_no_token_check_nor_shares_unless_calle
         after = _filter_runs(lone)
     finally:
         tenant_shares.write(shares, lone.settings.tenant_shares())
-    expected = {TOKEN_CHECK_RUNS: CALLS if case.lua_always else 0,
-                SHARES_RUNS: CALLS if case.named_always else 0}
+    expected = {TOKEN_CHECK_RUNS: 0, SHARES_RUNS: CALLS if case.named_always else 0}
     assert {k: inference[k] - before[k] for k in before} == expected, (before, inference)
     # The job start met both; HTTP inference as gRPC's.
     assert {k: after[k] - inference[k] for k in before} == {k: 1 + v for k, v in expected.items()
@@ -263,8 +258,8 @@ def test_no_triton_ready_is_said_with_when_to_retry_by_the_error_answers_alone(
     assert (status, headers.get("retry-after")) == (503, str(RETRY_AFTER_S)), (status, headers)
     assert NO_TRITON in json.loads(body)["error"], body
     assert after[ERRORS] - before[ERRORS] == 2, (before, after)
-    # Inference calls: the client checks' Lua only where the site's checks need it.
-    assert after[CHECKS] - before[CHECKS] == (2 if case.lua_always else 0), (before, after)
+    # Inference calls: never the client checks' Lua.
+    assert after[CHECKS] - before[CHECKS] == 0, (before, after)
     until("the stand-in Triton back in rotation", lambda: _carried(lone), 15)
 
 

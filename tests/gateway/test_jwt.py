@@ -25,7 +25,7 @@ from local_stack.polling import until
 from local_stack.stack import JwksFollower
 from tests.support.callers import lines_since
 from tests.support.echo import echo_inputs, infer_with_token
-from tests.support.lone_gateway import LoneGateway, lone_gateway
+from tests.support.lone_gateway import CHECKS, LoneGateway, lone_gateway
 from tests.support.raw_http import request
 
 ISSUER = "https://idp.sonic-ray.test"
@@ -125,6 +125,24 @@ def test_a_tokens_caller_is_its_subject_and_its_tenant_the_claim(jwt_stack: JwtS
 
 def test_a_static_token_still_suffices_beside_jwts(jwt_stack: JwtStack) -> None:
     assert infer_with_token(jwt_stack.url, STATIC) == "OK"
+
+
+def test_static_tokens_are_checked_by_envoys_own_filters_and_jwts_by_the_lua(
+        jwt_stack: JwtStack) -> None:
+    """Beside a JWT issuer, a call with a static token runs no Lua (gateway/callers.sh's
+    matcher names it); a JWT, or a credential that is neither, goes to the client checks' Lua
+    inside the callers filter, once."""
+    lone = jwt_stack.lone
+    assert "calls with a static token are checked and named by Envoy's own filters" in (
+        lone.log.read_text())
+    before = lone.executions()
+    assert infer_with_token(jwt_stack.url, STATIC) == "OK"
+    static = lone.executions()
+    assert static[CHECKS] == before[CHECKS], (before, static)
+    assert infer_with_token(jwt_stack.url, _token(jwt_stack)) == "OK"
+    assert infer_with_token(jwt_stack.url, "neither").startswith("StatusCode.UNAUTHENTICATED")
+    after = lone.executions()
+    assert after[CHECKS] == static[CHECKS] + 2, (static, after)
 
 
 @pytest.mark.parametrize(("case", "says"), [
