@@ -115,6 +115,7 @@ caller_metadata() {
 }
 
 EXTENSION='"@type": type.googleapis.com/envoy.config.core.v3.TypedExtensionConfig'
+HEADER='{"name": "authorization", "typed_config": {"@type": "type.googleapis.com/envoy.type.matcher.v3.HttpRequestHeaderMatchInput", "header_name": "authorization"}}'
 SET_METADATA='"@type": type.googleapis.com/envoy.extensions.filters.http.set_metadata.v3.Config'
 EXECUTE='"@type": type.googleapis.com/envoy.extensions.filters.http.composite.v3.ExecuteFilterAction'
 FAULT='{"@type": "type.googleapis.com/envoy.extensions.filters.http.fault.v3.HTTPFault", "abort": {"http_status": 401, "percentage": {"numerator": 100}}}'
@@ -167,7 +168,7 @@ refuse_all() {
   written=refusing
   say "the tokens file $tokens_file $1 yet: $OTHERWISE_SAID"
 }
-# The tokens file as a matcher per token; nothing written while it has none.
+# The tokens file as the filter's matcher; nothing written while it has none.
 load() {
   local text line trimmed name token number=0 count=0 matchers=""
   declare -A seen=()
@@ -209,19 +210,31 @@ load() {
     loaded=$text
     return 0
   fi
+  local action exact=""
   for count in "${!tokens[@]}"; do
+    action="{\"action\": {\"name\": \"caller\", \"typed_config\": {$EXECUTE, \"typed_config\": {\"name\": \"caller\", \"typed_config\": {$SET_METADATA, \"metadata\": [$(caller_metadata "token:${names[count]}" "${names[count]}")]}}}}}"
+    exact+="
+              \"Bearer $(json "${tokens[count]}")\": $action"
     matchers+="
-            - {\"predicate\": {\"single_predicate\": {\"input\": {\"name\": \"authorization\", \"typed_config\": {\"@type\": \"type.googleapis.com/envoy.type.matcher.v3.HttpRequestHeaderMatchInput\", \"header_name\": \"authorization\"}}, \"value_match\": {\"safe_regex\": {\"google_re2\": {}, \"regex\": \"$(json "(?i)bearer\\s+$(re2_literal "${tokens[count]}")\\s*")\"}}}}, \"on_match\": {\"action\": {\"name\": \"caller\", \"typed_config\": {$EXECUTE, \"typed_config\": {\"name\": \"caller\", \"typed_config\": {$SET_METADATA, \"metadata\": [$(caller_metadata "token:${names[count]}" "${names[count]}")]}}}}}}"
+                  - {\"predicate\": {\"single_predicate\": {\"input\": $HEADER, \"value_match\": {\"safe_regex\": {\"google_re2\": {}, \"regex\": \"$(json "(?i)bearer\s+$(re2_literal "${tokens[count]}")\s*")\"}}}}, \"on_match\": $action}"
   done
+  # The header as RFC 6750 writes it, looked up at once; any other spelling (the scheme's
+  # case, more spaces) tried against each token's pattern in turn.
   publish "$(resource "
       \"@type\": type.googleapis.com/envoy.extensions.common.matching.v3.ExtensionWithMatcher
       extension_config:
         name: composite
         typed_config: {\"@type\": type.googleapis.com/envoy.extensions.filters.http.composite.v3.Composite}
       xds_matcher:
-        matcher_list:
-          matchers:$matchers
-        on_no_match: {\"action\": {\"name\": \"otherwise\", \"typed_config\": {$EXECUTE, \"typed_config\": {\"name\": \"otherwise\", \"typed_config\": $OTHERWISE}}}}" \
+        matcher_tree:
+          input: $HEADER
+          exact_match_map:
+            map:$exact
+        on_no_match:
+          matcher:
+            matcher_list:
+              matchers:$matchers
+            on_no_match: {\"action\": {\"name\": \"otherwise\", \"typed_config\": {$EXECUTE, \"typed_config\": {\"name\": \"otherwise\", \"typed_config\": $OTHERWISE}}}}" \
     "${#tokens[@]} token(s) from the tokens file")"
   loaded=$text
   written=yes

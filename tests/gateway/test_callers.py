@@ -39,17 +39,38 @@ def _config(folder: Path) -> dict[str, Any]:
     return typed
 
 
+def _recorded(on_match: dict[str, Any]) -> dict[str, str]:
+    action = on_match["action"]["typed_config"]["typed_config"]["typed_config"]
+    (entry,) = action["metadata"]
+    assert entry["metadata_namespace"] == "sonic-ray" and entry["allow_overwrite"]
+    value: dict[str, str] = entry["value"]
+    return value
+
+
 def _callers(config: dict[str, Any]) -> list[tuple[str, dict[str, str]]]:
-    """Each matcher's header regex and the metadata it records."""
+    """Each token's header regex and the metadata it records; the same token's header as RFC
+    6750 writes it, looked up first, records the same."""
+    tree = config["xds_matcher"]["matcher_tree"]
+    assert tree["input"]["typed_config"]["header_name"] == "authorization"
+    exact = {header: _recorded(on_match)
+             for header, on_match in tree["exact_match_map"]["map"].items()}
     found = []
-    for matcher in config["xds_matcher"]["matcher_list"]["matchers"]:
+    for matcher in config["xds_matcher"]["on_no_match"]["matcher"]["matcher_list"]["matchers"]:
         predicate = matcher["predicate"]["single_predicate"]
         assert predicate["input"]["typed_config"]["header_name"] == "authorization"
-        action = matcher["on_match"]["action"]["typed_config"]["typed_config"]["typed_config"]
-        (entry,) = action["metadata"]
-        assert entry["metadata_namespace"] == "sonic-ray" and entry["allow_overwrite"]
-        found.append((predicate["value_match"]["safe_regex"]["regex"], entry["value"]))
+        found.append((predicate["value_match"]["safe_regex"]["regex"],
+                      _recorded(matcher["on_match"])))
+    assert [value for _, value in found] == list(exact.values()), (found, exact)
+    for (regex, _), header in zip(found, exact, strict=True):
+        assert header.startswith("Bearer ") and re.fullmatch(regex, header), (regex, header)
     return found
+
+
+def _otherwise(config: dict[str, Any]) -> dict[str, Any]:
+    """What a call without a known token meets."""
+    action: dict[str, Any] = config["xds_matcher"]["on_no_match"]["matcher"]["on_no_match"][
+        "action"]["typed_config"]["typed_config"]["typed_config"]
+    return action
 
 
 def _refuses_all(config: dict[str, Any]) -> bool:
@@ -86,8 +107,7 @@ def test_each_token_is_a_matcher_recording_the_caller_the_lua_would(tmp_path: Pa
     for header in ("Bearer tok-firstx", "tok-first", "Bearer tokXsecond+9", "Basic tok-first",
                    "Bearer tok.second9", "Bearer"):
         assert not any(re.fullmatch(r, header) for r in regexes), header
-    assert _refuses_all(config["xds_matcher"]["on_no_match"]["action"]["typed_config"][
-        "typed_config"]["typed_config"])
+    assert _refuses_all(_otherwise(config))
 
 
 @pytest.mark.parametrize(("setting", "value", "said"), [
@@ -196,8 +216,7 @@ def test_beside_a_jwt_issuer_calls_without_a_static_token_go_to_the_lua(tmp_path
     config = _config(tmp_path)
     assert [meta for _, meta in _callers(config)] == [{"identity": "token:alice",
                                                        "tenant": "alice"}]
-    assert _is_client_checks(config["xds_matcher"]["on_no_match"]["action"]["typed_config"][
-        "typed_config"]["typed_config"])
+    assert _is_client_checks(_otherwise(config))
     # No tokens file, or none readable yet: the Lua checks every call (JWTs), none refused here.
     for env in ({}, {TOKENS_ENV: str(tmp_path / "absent")}):
         done = _run(tmp_path, "native", **env, **jwt)

@@ -157,6 +157,13 @@ def test_checked_calls_run_no_lua(tokens: TokenGateway) -> None:
     before = tokens.lone.executions()
     made = [infer_with_token(tokens.url, token) for token in (FIRST, SECOND, "not-a-token")]
     assert made[:2] == ["OK", "OK"] and made[2].startswith("StatusCode.UNAUTHENTICATED"), made
+    # The scheme in any case and more blanks (RFC 6750), as the Lua takes them.
+    client = tc.InferenceServerClient(tokens.url)
+    try:
+        client.infer("echo_headers", echo_inputs(), client_timeout=30,
+                     headers={"authorization": f"bEaReR   {SECOND}"})
+    finally:
+        client.close()
     after = tokens.lone.executions()
     assert after[CHECKS] == before[CHECKS] and after[ERRORS] == before[ERRORS] + 1, (before,
                                                                                     after)
