@@ -10,8 +10,8 @@
 #   tokens file beside Envoy); with a JWT issuer too, the same for calls with a static token,
 #   and the client checks' Lua (gateway/client-checks.lua) for the others
 #   (sonic_ray.callers_native_jwt); the Lua on every call where the site checks certificate
-#   subjects or runs components/mtls. Envoy started without this script runs the Lua on every
-#   call.
+#   subjects or runs components/mtls. Envoy started without this script finds no config for
+#   the callers filter and does not start.
 # * The client listeners' transport (gateway/envoy.yaml, filter_chain_matcher): SONIC_RAY_TLS
 #   unset or empty in clear, `server` TLS (components/tls), `mutual` TLS with client
 #   certificates (components/mtls), which name every caller, so the checks run on every call;
