@@ -7,9 +7,11 @@
 # (SONIC_RAY_TENANT_SHARES), and JWTs beside them; not certificate subjects, which
 # gateway/client-checks.lua checks on every call.
 #
-#   callers.sh native [ENVOY_PID]  the checks of these settings; with ENVOY_PID, again every
-#                                  2 s while that process runs, re-reading the tokens file
-#   callers.sh off                 a config that does nothing (the Lua, or nothing, checks)
+#   callers.sh native [ENVOY_PID]      the checks of these settings; with ENVOY_PID, again
+#                                      every 2 s while that process runs, re-reading the
+#                                      tokens file
+#   callers.sh native-jwt [ENVOY_PID]  the same beside a JWT issuer (start.sh decides which)
+#   callers.sh off                     a config that does nothing (the Lua, or nothing, checks)
 #
 # What Envoy does with it, per call, as client-checks.lua does it:
 # * With SONIC_RAY_AUTH_TOKENS_FILE (one token a line, `<token>` or `<name> <token>`, #
@@ -24,7 +26,7 @@
 #   by line number; nothing here writes a token anywhere but the config file.
 # * Without tokens, every call's caller is anonymous and its tenant the one the tenant map
 #   gives `anonymous`.
-# * With SONIC_RAY_JWT_ISSUER, a call without a static token (a JWT, none, or one not known)
+# * native-jwt (beside SONIC_RAY_JWT_ISSUER): a call without a static token (a JWT, none, or one not known)
 #   goes to the client checks' Lua instead of the refusal, inside this filter: the Lua checks
 #   and names it, or refuses it in its words, as where it runs on every call.
 # The tenant of `token:<name>`: the first SONIC_RAY_TENANTS entry (";"-separated
@@ -34,10 +36,9 @@
 set -u
 export LC_ALL=C
 out=${SONIC_RAY_CALLERS_FILE:-/tmp/sonic-ray-callers/callers.yaml}
-mode=${1:?usage: callers.sh native [ENVOY_PID] | off}
+mode=${1:?usage: callers.sh native|native-jwt [ENVOY_PID] | off}
 envoy_pid=${2:-}
 tokens_file=${SONIC_RAY_AUTH_TOKENS_FILE:-}
-jwt_issuer=$(printf '%s' "${SONIC_RAY_JWT_ISSUER:-}" | tr -d ' \t;')
 here=$(cd "$(dirname "$0")" && pwd)
 recheck_s=2
 
@@ -123,7 +124,7 @@ FAULT='{"@type": "type.googleapis.com/envoy.extensions.filters.http.fault.v3.HTT
 LUA="{\"@type\": \"type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua\", \"stat_prefix\": \"client_checks\", \"default_source_code\": {\"filename\": \"$(json "$here/client-checks.lua")\"}}"
 # What a call without a known static token meets: the refusal, or with a JWT issuer the Lua.
 OTHERWISE=$FAULT OTHERWISE_SAID="every call is refused"
-if [ -n "$jwt_issuer" ]; then
+if [ "$mode" = native-jwt ]; then
   OTHERWISE=$LUA OTHERWISE_SAID="every call goes to the client checks' Lua (JWTs)"
 fi
 
@@ -142,12 +143,12 @@ resource() {
 if [ "$mode" = off ]; then
   publish "$(resource "{$SET_METADATA, \"metadata\": []}" "nothing to check here")"
   exit 0
-elif [ "$mode" != native ]; then
-  say "the mode is native or off, not \"$mode\""
+elif [ "$mode" != native ] && [ "$mode" != native-jwt ]; then
+  say "the mode is native, native-jwt or off, not \"$mode\""
   exit 2
 fi
 
-if [ -z "$tokens_file" ] && [ -n "$jwt_issuer" ]; then
+if [ -z "$tokens_file" ] && [ "$mode" = native-jwt ]; then
   publish "$(resource "$LUA" "no static tokens: the client checks' Lua checks every call")"
   say "no static tokens: the client checks' Lua checks every call (JWTs)"
   exit 0

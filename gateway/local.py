@@ -61,8 +61,9 @@ def with_files_here(config: dict[str, Any], folder: Path = HERE) -> dict[str, An
     for source in _lua_filters(config):
         if str(source.get("filename", "")).startswith(MOUNTED_AT + "/"):
             source["filename"] = str(HERE / Path(source["filename"]).name)
+    written_at = (MOUNTED_AT + "/", str(callers_file(config).parent))
     for source in filter(None, map(routes.discovery_source, routes.http_filters(config))):
-        if str(source["path"]).startswith((MOUNTED_AT + "/", str(callers_file(config).parent))):
+        if str(source["path"]).startswith(written_at):
             source["path"] = str(folder / Path(source["path"]).name)
             source["watched_directory"] = {"path": str(folder)}
     # The TLS chains' secrets as shipped (their certificates absent here, as in a pod without

@@ -35,28 +35,30 @@ case "${SONIC_RAY_TLS:-}" in
   *) echo "[gateway] SONIC_RAY_TLS=${SONIC_RAY_TLS} is not server, mutual or empty" >&2
      exit 2 ;;
 esac
+# A value of blanks and ";" only names nothing, as client-checks.lua reads it.
+named() { [ -n "$(printf '%s' "$1" | tr -d ' \t;')" ]; }
 for value in "${SONIC_RAY_AUTH_TOKENS_FILE:-}" "${SONIC_RAY_JWT_ISSUER:-}" \
     "${SONIC_RAY_CLIENT_SUBJECTS:-}" "${SONIC_RAY_TENANTS:-}" "${SONIC_RAY_TENANT_CLAIM:-}" \
     "${SONIC_RAY_TENANT_SHARES:-}"; do
-  # A value of blanks and ";" only names nothing, as client-checks.lua reads it.
-  if [ -n "$(printf '%s' "$value" | tr -d ' \t;')" ]; then unchecked=0; fi
+  if named "$value"; then unchecked=0; fi
 done
-named() { [ -n "$(printf '%s' "$1" | tr -d ' \t;')" ]; }
 if [ "$unchecked" = 0 ] && [ "$tls_mutual" = 0 ] && ! named "${SONIC_RAY_CLIENT_SUBJECTS:-}"; then
   # What only the Lua checks on every call: a certificate's subject (mutual TLS).
   if named "${SONIC_RAY_JWT_ISSUER:-}"; then native_jwt=100; else native=100; fi
 fi
 export LUA_PATH="$here/?.lua;;"
 if [ "$native" = 100 ] || [ "$native_jwt" = 100 ]; then
+  callers=native
   if [ "$native" = 100 ]; then
     echo "[gateway] the callers are checked and named on every call by Envoy's own filters" \
       "(tokens, tenants, shares: gateway/callers.sh); the client checks run on job starts" >&2
   else
+    callers=native-jwt
     echo "[gateway] calls with a static token are checked and named by Envoy's own filters" \
       "(gateway/callers.sh); the client checks run on the others (JWTs) and on job starts" >&2
   fi
-  bash "$here/callers.sh" native || exit 2
-  bash "$here/callers.sh" native "$$" &
+  bash "$here/callers.sh" "$callers" || exit 2
+  bash "$here/callers.sh" "$callers" "$$" &
 elif [ "$unchecked" = 0 ]; then
   bash "$here/callers.sh" off || exit 2
   echo "[gateway] the client checks run on every call: the site checks or names its callers" >&2

@@ -210,8 +210,7 @@ def _is_client_checks(config: dict[str, Any]) -> bool:
 def test_beside_a_jwt_issuer_calls_without_a_static_token_go_to_the_lua(tmp_path: Path) -> None:
     tokens = tmp_path / "tokens"
     tokens.write_text("alice tok-a\n")
-    jwt = {"SONIC_RAY_JWT_ISSUER": "https://idp.example"}
-    done = _run(tmp_path, "native", **{TOKENS_ENV: str(tokens)}, **jwt)
+    done = _run(tmp_path, "native-jwt", **{TOKENS_ENV: str(tokens)})
     assert done.returncode == 0, done.stderr
     config = _config(tmp_path)
     assert [meta for _, meta in _callers(config)] == [{"identity": "token:alice",
@@ -219,6 +218,6 @@ def test_beside_a_jwt_issuer_calls_without_a_static_token_go_to_the_lua(tmp_path
     assert _is_client_checks(_otherwise(config))
     # No tokens file, or none readable yet: the Lua checks every call (JWTs), none refused here.
     for env in ({}, {TOKENS_ENV: str(tmp_path / "absent")}):
-        done = _run(tmp_path, "native", **env, **jwt)
+        done = _run(tmp_path, "native-jwt", **env)
         assert done.returncode == 0 and "client checks' Lua" in done.stderr, done.stderr
         assert _is_client_checks(_config(tmp_path))
