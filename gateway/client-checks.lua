@@ -262,6 +262,8 @@ local JWT_ISSUER = setting("SONIC_RAY_JWT_ISSUER", nil)
 local JWT_SCOPE = setting("SONIC_RAY_JWT_SCOPE", nil)
 local JWT_GROUP = setting("SONIC_RAY_JWT_GROUP", nil)
 local JWT_METADATA = "envoy.filters.http.jwt_authn"
+-- jwt_authn's own words for a bearer credential that is not a JWT.
+local NOT_A_JWT = "Jwt is not in the form of Header.Payload.Signature with two dots and 3 sections"
 
 -- What the verified claims lack of the site's requirements, or nil.
 local function claims_lacking(payload)
@@ -308,6 +310,10 @@ local function check_credentials(handle)
     local status = verified["failure"]
     if token ~= nil and token ~= "" and type(status) == "table" then
       failure = tostring(status["message"] or "the token failed its checks")
+    elseif token ~= nil and token ~= "" and next(verified) == nil then
+      -- jwt_authn skips a credential that cannot be a JWT (its rule, gateway/jwt.py): it
+      -- is one unless it is a static token, checked below.
+      failure = NOT_A_JWT
     end
   end
   if path ~= nil then

@@ -64,6 +64,9 @@ DEFAULT_JWKS_CACHE_S, DEFAULT_JWKS_TIMEOUT_S = 600, 5
 # The gateway's cluster to the identity provider (gateway/envoy.yaml), and the name it dials:
 # the site's ExternalName Service naming the provider's host (invariant jwks-provider-named).
 JWKS_CLUSTER, JWKS_PROVIDER_SERVICE = "jwks", "jwks-provider"
+# What every JWT holds, so what a credential must hold for jwt_authn to check it
+# (filter_config's rule).
+JWT_MARK = "."
 
 
 def _seconds(env: Mapping[str, str], name: str, default: int, low: int, high: int) -> int:
@@ -153,8 +156,14 @@ def filter_config(settings: JwtSettings | None, jwks_text: str = "") -> dict[str
             "payload_in_metadata": PAYLOAD_KEY,
             "failed_status_in_metadata": FAILURE_KEY,
         }},
-        "rules": [{"match": {"prefix": "/"}, "requires": {"requires_any": {"requirements": [
-            {"provider_name": PROVIDER}, {"allow_missing_or_failed": {}}]}}}],
+        # Only a credential with a dot can be a JWT (Header.Payload.Signature): one without
+        # (a static token of components/token-auth, on the checked path's every call) skips
+        # the filter rather than be parsed and failed; client-checks.lua says for it what
+        # jwt_authn would have said (NOT_A_JWT there).
+        "rules": [{"match": {"prefix": "/", "headers": [
+            {"name": "authorization", "string_match": {"contains": JWT_MARK}}]},
+            "requires": {"requires_any": {"requirements": [
+                {"provider_name": PROVIDER}, {"allow_missing_or_failed": {}}]}}}],
     }
 
 

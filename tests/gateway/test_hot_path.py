@@ -119,16 +119,7 @@ def _filter_runs(lone: LoneGateway) -> dict[str, int]:
     """How many calls each filter that has nothing to do unless a site configures it ran on,
     over both listeners: the token check (jwt_authn's allowed calls) and the tenant shares
     (local_ratelimit's consulted calls, counted once a bucket exists)."""
-    url = f"http://127.0.0.1:{lone.settings.gateway_admin_port}/stats"
-    with urllib.request.urlopen(url, timeout=5) as response:
-        lines = response.read().decode().splitlines()
-    runs = {TOKEN_CHECK_RUNS: 0, SHARES_RUNS: 0}
-    for line in lines:
-        name, _, value = line.partition(": ")
-        for counter in runs:
-            if name.endswith(counter):
-                runs[counter] += int(value)
-    return runs
+    return lone.counted(TOKEN_CHECK_RUNS, SHARES_RUNS)
 
 
 def test_calls_other_than_job_starts_make_no_token_check_nor_shares_unless_callers_are_checked(

@@ -32,6 +32,9 @@ ISSUER = "https://idp.sonic-ray.test"
 AUDIENCE = "sonic-ray"
 SCOPE = "compute.read"
 STATIC = "tok-static-4b1d"
+# jwt_authn's counts of the tokens it looked at: each is looked up in its cache of verified
+# ones first (its count of calls, `allowed`, counts the calls no rule gave it too).
+LOOKED_AT = ("jwt_authn.jwt_cache_hit", "jwt_authn.jwt_cache_miss")
 
 
 def _key() -> rsa.RSAPrivateKey:
@@ -130,16 +133,19 @@ def test_a_static_token_still_suffices_beside_jwts(jwt_stack: JwtStack) -> None:
 def test_static_tokens_are_checked_by_envoys_own_filters_and_jwts_by_the_lua(
         jwt_stack: JwtStack) -> None:
     """Beside a JWT issuer, a call with a static token runs no Lua (gateway/callers.sh's
-    matcher names it); a JWT, or a credential that is neither, goes to the client checks' Lua
-    inside the callers filter, once."""
+    matcher names it) nor jwt_authn (a credential without a dot cannot be a JWT: the rule of
+    gateway/jwt.py); a JWT, or a credential that is neither, goes to the client checks' Lua
+    inside the callers filter, once, and a JWT to jwt_authn."""
     lone = jwt_stack.lone
     assert "calls with a static token are checked and named by Envoy's own filters" in (
         lone.log.read_text())
-    before = lone.executions()
+    before, jwt_before = lone.executions(), sum(lone.counted(*LOOKED_AT).values())
     assert infer_with_token(jwt_stack.url, STATIC) == "OK"
-    static = lone.executions()
+    static, jwt_static = lone.executions(), sum(lone.counted(*LOOKED_AT).values())
     assert static[CHECKS] == before[CHECKS], (before, static)
+    assert jwt_static == jwt_before, "jwt_authn looked at a static token"
     assert infer_with_token(jwt_stack.url, _token(jwt_stack)) == "OK"
+    assert sum(lone.counted(*LOOKED_AT).values()) == jwt_static + 1
     assert infer_with_token(jwt_stack.url, "neither").startswith("StatusCode.UNAUTHENTICATED")
     after = lone.executions()
     assert after[CHECKS] == static[CHECKS] + 2, (static, after)

@@ -184,6 +184,19 @@ class LoneGateway:
                 found[ANY] += int(value)
         return found
 
+    def counted(self, *suffixes: str) -> dict[str, int]:
+        """Envoy's counters whose names end with each of suffixes, summed over the listeners."""
+        url = f"http://127.0.0.1:{self.settings.gateway_admin_port}/stats"
+        with urllib.request.urlopen(url, timeout=5) as response:
+            lines = response.read().decode().splitlines()
+        found = dict.fromkeys(suffixes, 0)
+        for line in lines:
+            name, _, value = line.partition(": ")
+            for suffix in suffixes:
+                if name.endswith(suffix):
+                    found[suffix] += int(value)
+        return found
+
     def log_lines(self) -> list[dict[str, Any]]:
         return [json.loads(line) for line in self.access_log.read_text().splitlines()
                 if line.startswith("{")]
