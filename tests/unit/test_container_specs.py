@@ -9,11 +9,10 @@ import copy
 from typing import Any
 
 import pytest
-import yaml
 
 from schema.check import DEFAULT_KUBERNETES_VERSION, check_stream
 from schema.facts import _quantity, resources_over_limits, unresolved_port_names
-from tests.support.kustomize import ROOT, build
+from tests.support.kustomize import ROOT, build, objects, stream
 
 
 @pytest.mark.parametrize(("text", "value"), [
@@ -63,13 +62,13 @@ def test_hooks_and_probes_name_their_own_containers_ports() -> None:
 
 @pytest.mark.processes  # kubectl builds the site
 def test_a_gateway_service_naming_no_port_of_the_gateway_is_refused() -> None:
-    built = [o for o in yaml.safe_load_all(build(ROOT / "overlays" / "nautilus")) if o]
-    assert check_stream(yaml.safe_dump_all(built), DEFAULT_KUBERNETES_VERSION)[0] == []
+    built = objects(build(ROOT / "overlays" / "nautilus"))
+    assert check_stream(stream(built), DEFAULT_KUBERNETES_VERSION)[0] == []
     broken = copy.deepcopy(built)
     (service,) = [o for o in broken if o["kind"] == "Service"
                   and o["metadata"]["name"] == "triton-grpc"]
     service["spec"]["ports"][0]["targetPort"] = "grpcs"
-    problems, _ = check_stream(yaml.safe_dump_all(broken), DEFAULT_KUBERNETES_VERSION)
+    problems, _ = check_stream(stream(broken), DEFAULT_KUBERNETES_VERSION)
     refused = [p for p in problems if p.startswith("named-ports-resolve: ")]
     assert len(refused) == 1, problems
     assert "Service triton-grpc spec" in refused[0] and "'grpcs'" in refused[0], problems

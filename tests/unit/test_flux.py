@@ -14,7 +14,7 @@ import celpy.adapter
 import pytest
 import yaml
 
-from tests.support.kustomize import ROOT, build
+from tests.support.kustomize import ROOT, build, objects
 
 # Each site's folder, built as Flux (or kubectl apply -k) would build it.
 FLUX = sorted(p.parent for p in (ROOT / "clusters").glob("*/overlay-path.yaml"))
@@ -22,10 +22,6 @@ SITE_NAMESPACES = {"purdue-af": "cms", "nautilus": "cms-sonic"}
 # The ConfigMaps built without a hash suffix, replaced in place on a change.
 FIXED_NAME_CONFIGMAPS = {g["name"] for g in yaml.safe_load(
     (ROOT / "observability" / "kustomization.yaml").read_text())["configMapGenerator"]}
-
-
-def objects(text: str) -> list[dict[str, Any]]:
-    return [o for o in yaml.safe_load_all(text) if o]
 
 
 @pytest.mark.parametrize("flux", FLUX, ids=[f.name for f in FLUX])

@@ -10,17 +10,16 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-import yaml
 
 from schema.check import DEFAULT_KUBERNETES_VERSION, check_stream
-from tests.support.kustomize import ROOT, build
+from tests.support.kustomize import ROOT, build, objects, stream
 
 # Each test builds the site with kubectl (tests/support/kustomize.py, built once a session).
 pytestmark = pytest.mark.processes
 
 
 def _built() -> list[dict[str, Any]]:
-    return [o for o in yaml.safe_load_all(build(ROOT / "overlays" / "nautilus")) if o]
+    return objects(build(ROOT / "overlays" / "nautilus"))
 
 
 def _one(built: list[dict[str, Any]], kind: str) -> dict[str, Any]:
@@ -36,7 +35,7 @@ def _envoy(built: list[dict[str, Any]]) -> dict[str, Any]:
 def _problems(change: Callable[[list[dict[str, Any]]], object]) -> list[str]:
     built = copy.deepcopy(_built())
     change(built)
-    return check_stream(yaml.safe_dump_all(built), DEFAULT_KUBERNETES_VERSION)[0]
+    return check_stream(stream(built), DEFAULT_KUBERNETES_VERSION)[0]
 
 
 def test_the_site_as_built_passes() -> None:

@@ -15,7 +15,16 @@ import pytest
 import yaml
 
 from schema.check import DEFAULT_KUBERNETES_VERSION, check_stream, rayservice_violations
-from tests.support.kustomize import KUBECTLS, OVERLAYS, PINNED_KUBECTL, ROOT, build, checked
+from tests.support.kustomize import (
+    KUBECTLS,
+    OVERLAYS,
+    PINNED_KUBECTL,
+    ROOT,
+    build,
+    checked,
+    objects,
+    stream,
+)
 
 FIXTURES = ROOT / "tests" / "fixtures" / "invariants"
 INVARIANTS = sorted(p.name for p in FIXTURES.iterdir() if p.is_dir())
@@ -31,10 +40,6 @@ def _builds_in_parallel() -> None:
     jobs = [(d, PINNED_KUBECTL) for d in dirs] + [(o, k) for o in OVERLAYS for k in KUBECTLS]
     with ThreadPoolExecutor(max_workers=2) as pool:
         list(pool.map(lambda job: build(*job), jobs))
-
-
-def objects(text: str) -> list[dict[str, Any]]:
-    return [o for o in yaml.safe_load_all(text) if o]
 
 
 def rayservice(text: str) -> dict[str, Any]:
@@ -80,7 +85,7 @@ def test_gateway_mounts_the_envoy_config_of_gateway_dir(overlay: str) -> None:
     assert client["spec"]["selector"] == gateway["spec"]["selector"]["matchLabels"]
     # What Envoy resolves is KubeRay's headless serve Service (invariant
     # gateway-follows-active-cluster), not the clients' Service.
-    assert rayservice(yaml.safe_dump_all(built))["spec"]["serveService"]["metadata"]["name"] == (
+    assert rayservice(stream(built))["spec"]["serveService"]["metadata"]["name"] == (
         "triton-pods")
 
 
@@ -90,7 +95,7 @@ def test_forwarder_code_is_mounted_from_a_generated_configmap() -> None:
                and o["metadata"]["name"].startswith("triton-pod-code-")]
     for module in ("__init__.py", "access.py", "rpcs.py", "servicer.py", "pod.py", "grpc_forwarding.py"):
         assert code["data"][module] == (ROOT / "serve" / "triton_pod" / module).read_text()
-    cluster = rayservice(yaml.safe_dump_all(built))["spec"]["rayClusterConfig"]
+    cluster = rayservice(stream(built))["spec"]["rayClusterConfig"]
     for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
         pod = group["template"]["spec"]
         volumes = {v["name"]: v for v in pod["volumes"]}
@@ -105,7 +110,7 @@ def test_forwarder_code_is_mounted_from_a_generated_configmap() -> None:
 def test_purdue_overlay_is_the_site() -> None:
     built = objects(build(ROOT / "overlays" / "purdue-af"))
     assert {o["metadata"].get("namespace") for o in built} == {"cms"}
-    service = rayservice(yaml.safe_dump_all(built))["spec"]
+    service = rayservice(stream(built))["spec"]
     worker = service["rayClusterConfig"]["workerGroupSpecs"][0]
     pod = worker["template"]["spec"]
     triton = pod["containers"][1]
@@ -146,7 +151,7 @@ def test_nautilus_overlay_is_the_site() -> None:
     assert ingress["spec"]["ingressClassName"] == "haproxy"
     assert ingress["metadata"]["annotations"]["haproxy-ingress.github.io/backend-protocol"] == "h2"
     assert ingress["spec"]["rules"][0]["host"] == "sonic-cms.nrp-nautilus.io"
-    pod = rayservice(yaml.safe_dump_all(built))["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
+    pod = rayservice(stream(built))["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
     spec = pod["template"]["spec"]
     assert spec["nodeSelector"] == {"topology.kubernetes.io/zone": "ucsd"}
     triton = spec["containers"][1]
@@ -158,7 +163,7 @@ def test_nautilus_overlay_is_the_site() -> None:
     assert ray["resources"]["requests"]["cpu"] == ray["resources"]["limits"]["cpu"] == "1"
     # The head and the gateway in the GPU nodes' zone.
     zone = {"topology.kubernetes.io/zone": "ucsd"}
-    head = rayservice(yaml.safe_dump_all(built))["spec"]["rayClusterConfig"]["headGroupSpec"]
+    head = rayservice(stream(built))["spec"]["rayClusterConfig"]["headGroupSpec"]
     assert head["template"]["spec"]["nodeSelector"] == zone
     (gateway,) = [o for o in built if o["kind"] == "Deployment"]
     assert gateway["spec"]["template"]["spec"]["nodeSelector"] == zone
@@ -223,7 +228,7 @@ def test_the_gateway_pods_are_checked_for_hardening() -> None:
     (gateway,) = [o for o in built if o["kind"] == "Deployment"]
     gateway["spec"]["template"]["spec"]["containers"][0]["securityContext"][
         "readOnlyRootFilesystem"] = False
-    problems, _ = check_stream(yaml.safe_dump_all(built), DEFAULT_KUBERNETES_VERSION)
+    problems, _ = check_stream(stream(built), DEFAULT_KUBERNETES_VERSION)
     assert any(p.startswith("containers-hardened: ") and "Deployment triton-gateway" in p
                for p in problems), problems
 
@@ -253,7 +258,7 @@ def test_a_liveness_probe_asking_the_warm_check_is_refused_however_long() -> Non
     triton = next(c for c in service["spec"]["rayClusterConfig"]["workerGroupSpecs"][0][
         "template"]["spec"]["containers"] if c["name"] == "triton")
     triton["livenessProbe"] = {**triton.pop("startupProbe"), "failureThreshold": 100000}
-    problems, _ = check_stream(yaml.safe_dump_all(built), DEFAULT_KUBERNETES_VERSION)
+    problems, _ = check_stream(stream(built), DEFAULT_KUBERNETES_VERSION)
     mine = [p for p in problems if p.startswith("restart-probes-outlast-warmup: ")]
     assert len(mine) == 1 and "containers[triton].livenessProbe" in mine[0], problems
 
