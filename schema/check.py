@@ -21,8 +21,9 @@ import kubernetes_validate
 import kubernetes_validate.utils
 import yaml
 
-from schema.facts import YAML_LOADER, admission_settings, extract
+from schema.facts import admission_settings, extract
 from schema.serve_config import check_serve_config
+from schema.yaml_io import YAML_LOADER
 
 HERE = Path(__file__).resolve().parent
 # kubernetes-validate parses its 1.4 MB definitions file again for every object it checks:

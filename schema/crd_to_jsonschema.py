@@ -20,6 +20,8 @@ from typing import Any
 
 import yaml
 
+from schema.yaml_io import YAML_LOADER
+
 SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
 
 
@@ -58,7 +60,7 @@ def strict(node: Any) -> Any:
 
 def generate(source: str, version: str) -> dict[str, Any]:
     raw = _read(source)
-    crd = yaml.safe_load(raw)
+    crd = yaml.load(raw, Loader=YAML_LOADER)
     if crd.get("kind") != "CustomResourceDefinition":
         raise SystemExit(f"{source}: not a CustomResourceDefinition")
     versions = {v["name"]: v for v in crd["spec"]["versions"]}

@@ -50,6 +50,7 @@ from gateway.tenant_shares import (
     shares_of,
 )
 from schema.serve_app import bounds_as_written, policy_kwargs, triton_app
+from schema.yaml_io import YAML_LOADER
 from triton_pod.access import ADMIN_HEADER, ADMIN_KEY_NAME, HTTP_ADMIN_HEADER, TOKENS_FILE_ENV
 from triton_pod.admission import PORT_ENV as ADMISSION_PORT_ENV
 from triton_pod.admission import SATURATED_ENV
@@ -58,10 +59,6 @@ from triton_pod.pod import HANDOVER_S, TritonPodArgs
 from triton_pod.pod_ready import READY_PATH
 from triton_pod.prewarm import CONFIG_MAP as PREWARM_CONFIG_MAP
 from triton_pod.warmup import WarmupArgs
-
-# libyaml's loader where PyYAML has it: a build and the configs in it parse several times
-# faster (the same safe constructor, so the same values).
-YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 TRITON_RESOURCE = "triton"
 GPU_RESOURCE = re.compile(r"^nvidia\.com/(gpu|mig-.+)$")

@@ -11,12 +11,9 @@ from typing import Any
 
 import yaml
 
-from schema.facts import YAML_LOADER
+from schema.yaml_io import YAML_DUMPER, YAML_LOADER
 
 ROOT = Path(__file__).resolve().parents[2]
-# libyaml's writer where PyYAML has it, as YAML_LOADER reads: tests parse and rewrite whole
-# builds hundreds of times.
-YAML_DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 PINNED_KUBECTL = Path(sys.executable).with_name("kubectl")
 SYSTEM_KUBECTL = Path("/usr/bin/kubectl")
 KUBECTLS = [k for k in (PINNED_KUBECTL, SYSTEM_KUBECTL) if k.exists()]

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from schema.yaml_io import YAML_DUMPER, YAML_LOADER
 from tests.support.kustomize import OVERLAYS, ROOT, build
 
 V1_7_0 = ROOT / "schema" / "crd" / "ray.io_rayservices.yaml"
@@ -31,13 +32,13 @@ def test_the_crd_we_test_against_passes() -> None:
 
 
 def test_a_crd_without_worker_group_resources_fails_naming_the_field(tmp_path: Path) -> None:
-    crd = yaml.safe_load(V1_7_0.read_text())
+    crd = yaml.load(V1_7_0.read_text(), Loader=YAML_LOADER)
     (v1,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
     groups = v1["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"][
         "rayClusterConfig"]["properties"]["workerGroupSpecs"]["items"]["properties"]
     del groups["resources"]
     old = tmp_path / "old-crd.yaml"
-    old.write_text(yaml.safe_dump(crd))
+    old.write_text(yaml.dump(crd, Dumper=YAML_DUMPER))
     result = _check(old)
     assert result.returncode != 0
     assert "spec.rayClusterConfig.workerGroupSpecs[0]" in result.stdout
