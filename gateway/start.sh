@@ -25,6 +25,7 @@ here=$(dirname "$0")
 unchecked=100
 native=0
 native_jwt=0
+callers=""
 tls_server=0
 tls_mutual=0
 case "${SONIC_RAY_TLS:-}" in
@@ -47,16 +48,16 @@ if [ "$unchecked" = 0 ] && [ "$tls_mutual" = 0 ] && ! named "${SONIC_RAY_CLIENT_
   if named "${SONIC_RAY_JWT_ISSUER:-}"; then native_jwt=100; else native=100; fi
 fi
 export LUA_PATH="$here/?.lua;;"
-if [ "$native" = 100 ] || [ "$native_jwt" = 100 ]; then
+if [ "$native" = 100 ]; then
   callers=native
-  if [ "$native" = 100 ]; then
-    echo "[gateway] the callers are checked and named on every call by Envoy's own filters" \
-      "(tokens, tenants, shares: gateway/callers.sh); the client checks run on job starts" >&2
-  else
-    callers=native-jwt
-    echo "[gateway] calls with a static token are checked and named by Envoy's own filters" \
-      "(gateway/callers.sh); the client checks run on the others (JWTs) and on job starts" >&2
-  fi
+  echo "[gateway] the callers are checked and named on every call by Envoy's own filters" \
+    "(tokens, tenants, shares: gateway/callers.sh); the client checks run on job starts" >&2
+elif [ "$native_jwt" = 100 ]; then
+  callers=native-jwt
+  echo "[gateway] calls with a static token are checked and named by Envoy's own filters" \
+    "(gateway/callers.sh); the client checks run on the others (JWTs) and on job starts" >&2
+fi
+if [ -n "$callers" ]; then
   bash "$here/callers.sh" "$callers" || exit 2
   bash "$here/callers.sh" "$callers" "$$" &
 elif [ "$unchecked" = 0 ]; then

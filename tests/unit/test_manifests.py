@@ -42,8 +42,10 @@ def _builds_in_parallel() -> None:
         list(pool.map(lambda job: build(*job), jobs))
 
 
-def rayservice(text: str) -> dict[str, Any]:
-    (found,) = [o for o in objects(text) if o["kind"] == "RayService"]
+def rayservice(built: str | list[dict[str, Any]]) -> dict[str, Any]:
+    """The build's one RayService, from its text or its objects."""
+    (found,) = [o for o in (objects(built) if isinstance(built, str) else built)
+                if o["kind"] == "RayService"]
     return found
 
 
@@ -85,7 +87,7 @@ def test_gateway_mounts_the_envoy_config_of_gateway_dir(overlay: str) -> None:
     assert client["spec"]["selector"] == gateway["spec"]["selector"]["matchLabels"]
     # What Envoy resolves is KubeRay's headless serve Service (invariant
     # gateway-follows-active-cluster), not the clients' Service.
-    assert rayservice(stream(built))["spec"]["serveService"]["metadata"]["name"] == (
+    assert rayservice(built)["spec"]["serveService"]["metadata"]["name"] == (
         "triton-pods")
 
 
@@ -95,7 +97,7 @@ def test_forwarder_code_is_mounted_from_a_generated_configmap() -> None:
                and o["metadata"]["name"].startswith("triton-pod-code-")]
     for module in ("__init__.py", "access.py", "rpcs.py", "servicer.py", "pod.py", "grpc_forwarding.py"):
         assert code["data"][module] == (ROOT / "serve" / "triton_pod" / module).read_text()
-    cluster = rayservice(stream(built))["spec"]["rayClusterConfig"]
+    cluster = rayservice(built)["spec"]["rayClusterConfig"]
     for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
         pod = group["template"]["spec"]
         volumes = {v["name"]: v for v in pod["volumes"]}
@@ -110,7 +112,7 @@ def test_forwarder_code_is_mounted_from_a_generated_configmap() -> None:
 def test_purdue_overlay_is_the_site() -> None:
     built = objects(build(ROOT / "overlays" / "purdue-af"))
     assert {o["metadata"].get("namespace") for o in built} == {"cms"}
-    service = rayservice(stream(built))["spec"]
+    service = rayservice(built)["spec"]
     worker = service["rayClusterConfig"]["workerGroupSpecs"][0]
     pod = worker["template"]["spec"]
     triton = pod["containers"][1]
@@ -151,7 +153,7 @@ def test_nautilus_overlay_is_the_site() -> None:
     assert ingress["spec"]["ingressClassName"] == "haproxy"
     assert ingress["metadata"]["annotations"]["haproxy-ingress.github.io/backend-protocol"] == "h2"
     assert ingress["spec"]["rules"][0]["host"] == "sonic-cms.nrp-nautilus.io"
-    pod = rayservice(stream(built))["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
+    pod = rayservice(built)["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
     spec = pod["template"]["spec"]
     assert spec["nodeSelector"] == {"topology.kubernetes.io/zone": "ucsd"}
     triton = spec["containers"][1]
@@ -163,7 +165,7 @@ def test_nautilus_overlay_is_the_site() -> None:
     assert ray["resources"]["requests"]["cpu"] == ray["resources"]["limits"]["cpu"] == "1"
     # The head and the gateway in the GPU nodes' zone.
     zone = {"topology.kubernetes.io/zone": "ucsd"}
-    head = rayservice(stream(built))["spec"]["rayClusterConfig"]["headGroupSpec"]
+    head = rayservice(built)["spec"]["rayClusterConfig"]["headGroupSpec"]
     assert head["template"]["spec"]["nodeSelector"] == zone
     (gateway,) = [o for o in built if o["kind"] == "Deployment"]
     assert gateway["spec"]["template"]["spec"]["nodeSelector"] == zone

@@ -8,9 +8,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import yaml
 
-from tests.support.kustomize import ROOT, build
+from tests.support.kustomize import ROOT, build, objects
 from tests.support.network_policy import Pod, allowed
 
 # --- the evaluator, on the examples of kubernetes.io/docs/concepts/services-networking/network-policies
@@ -95,7 +94,7 @@ STRANGER = Pod("elsewhere", {})
 @pytest.fixture(scope="module")
 def policies() -> list[dict[str, Any]]:
     built = build(ROOT / "tests" / "fixtures" / "components" / "all-optional")
-    return [o for o in yaml.safe_load_all(built) if o and o["kind"] == "NetworkPolicy"]
+    return [o for o in objects(built) if o["kind"] == "NetworkPolicy"]
 
 
 @pytest.mark.parametrize("port", [8001, 8100])
@@ -155,8 +154,7 @@ def test_ray_metrics_from_monitoring(policies: list[dict[str, Any]]) -> None:
 
 
 def test_token_auth_component_reaches_every_ray_container_and_the_gateway() -> None:
-    built = [o for o in yaml.safe_load_all(
-        build(ROOT / "tests" / "fixtures" / "components" / "all-optional")) if o]
+    built = objects(build(ROOT / "tests" / "fixtures" / "components" / "all-optional"))
     (service,) = [o for o in built if o["kind"] == "RayService"]
     cluster = service["spec"]["rayClusterConfig"]
     (gateway,) = [o for o in built if o["kind"] == "Deployment"]

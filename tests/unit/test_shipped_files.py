@@ -10,9 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
-from tests.support.kustomize import ROOT, build
+from tests.support.kustomize import ROOT, build, objects
 
 # The checkout's own packages are installed editable (make venv): their finder goes, so
 # that only the shipped files can be imported.
@@ -80,7 +79,7 @@ print("imported", len(names), "names from", importlib.import_module("triton_pod"
 
 
 def shipped_package(into: Path) -> Path:
-    (code,) = [o for o in yaml.safe_load_all(build(ROOT / "serve")) if o and o["kind"] == "ConfigMap"
+    (code,) = [o for o in objects(build(ROOT / "serve")) if o["kind"] == "ConfigMap"
                and o["metadata"]["name"].startswith("triton-pod-code")]
     package = into / "triton_pod"
     package.mkdir()
